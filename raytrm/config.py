@@ -1,0 +1,337 @@
+"""Typed, validated configs: model, data, training and the profile, with YAML in and out.
+
+Every field carries a one-line description and its validation rule in its metadata. Loading rejects unknown keys,
+wrong types and out-of-range values with one line naming the file, the field path, what was received, what was
+expected and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tempfile
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from raytrm.errors import ConfigError, UserError
+
+T = TypeVar("T")
+
+PROFILE_SCHEMA_VERSION = 1
+THERMAL_STATES = ("nominal", "fair", "serious", "critical")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+def spec(default: Any, doc: str, *, choices: tuple | None = None, ge: float | None = None,
+         gt: float | None = None, le: float | None = None) -> Any:
+    """A dataclass field with its description and validation rule."""
+    rules = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=rules)
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: dataclasses.replace(default), metadata=rules)
+    return field(default=default, metadata=rules)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The configs
+
+
+@dataclass
+class ModelConfig:
+    """The network: TRM (attention or mlp_t) or, later, a plain transformer."""
+
+    name: str = spec("trm", "model family", choices=("trm",))
+    variant: str = spec("mlp_t", "TRM block mixer: self-attention, or an MLP across positions", choices=("attention", "mlp_t"))
+    hidden_size: int = spec(512, "width of the residual stream", ge=8)
+    num_heads: int = spec(8, "attention heads (attention variant)", ge=1)
+    expansion: float = spec(4.0, "SwiGLU expansion factor before the 2/3 rule and rounding to 256", gt=0)
+    L_layers: int = spec(2, "blocks in the one recursive network", ge=1)
+    H_cycles: int = spec(3, "outer recursion rounds per supervision step (all but the last without gradient)", ge=1)
+    L_cycles: int = spec(6, "latent updates per outer round", ge=1)
+    pos_encodings: str = spec("none", "positional encoding", choices=("rope", "learned", "none"))
+    rope_theta: float = spec(10000.0, "RoPE base", gt=0)
+    rms_norm_eps: float = spec(1e-5, "RMSNorm epsilon", gt=0)
+    puzzle_emb_len: int = spec(16, "positions prepended for the puzzle embedding (0 disables it)", ge=0)
+    halt_max_steps: int = spec(16, "most supervision steps a sample gets before it is halted", ge=1)
+    halt_exploration_prob: float = spec(0.1, "probability a slot is forced to run a random minimum of steps", ge=0, le=1)
+    halt_at_eval: bool = spec(False, "at evaluation, stop a sample when q_halt > 0 instead of running all steps")
+    forward_dtype: str = spec("auto", "dtype of the forward pass; auto lets the device module choose", choices=DTYPES)
+
+    def validate(self, source: str, prefix: str = "model") -> None:
+        if self.variant == "attention" and self.hidden_size % self.num_heads:
+            raise ConfigError(source, f"{prefix}.num_heads", self.num_heads,
+                              f"a divisor of hidden_size {self.hidden_size}", "pick heads that divide the width")
+        if self.variant == "mlp_t" and self.pos_encodings == "rope":
+            raise ConfigError(source, f"{prefix}.pos_encodings", "rope", "'none' or 'learned' for the mlp_t variant",
+                              "mlp_t mixes positions with an MLP and has no attention to rotate")
+
+
+@dataclass
+class DataConfig:
+    """The dataset: generated Sudoku or maze, or a directory in the TRM reference layout."""
+
+    name: str = spec("sudoku", "dataset kind", choices=("sudoku", "maze"))
+    path: str | None = spec(None, "dataset directory in the reference layout; None generates one into the cache")
+    train_puzzles: int = spec(2000, "base puzzles generated for training", ge=1)
+    test_puzzles: int = spec(200, "base puzzles generated for evaluation", ge=1)
+    augment: int = spec(8, "augmented copies per training puzzle (0 = originals only)", ge=0)
+    givens: int = spec(36, "Sudoku clues left in each puzzle: fewer is harder", ge=17, le=80)
+    maze_size: int = spec(30, "maze side length in cells", ge=5)
+    seed: int = spec(0, "generator seed")
+
+
+@dataclass
+class TrainConfig:
+    """How to train: batch shape, threads, optimizer, schedule and stopping."""
+
+    global_batch_size: int = spec(256, "samples per optimizer step, over all workers and accumulation", ge=1)
+    micro_batch_size: int | None = spec(None, "samples per forward/backward; None = global / accumulation", ge=1)
+    grad_accum_steps: int = spec(1, "micro-batches per optimizer step", ge=1)
+    threads: int | None = spec(None, "torch intra-op threads; None = the tier's default", ge=1)
+    interop_threads: int | None = spec(None, "torch inter-op threads; None = the tier's default", ge=1)
+    dataloader_workers: int = spec(0, "data loader worker processes", ge=0)
+    optimizer: str = spec("adamw", "optimizer of the network weights", choices=("adamw", "adam_atan2"))
+    lr: float = spec(1e-4, "peak learning rate", gt=0)
+    betas: list = spec([0.9, 0.95], "Adam betas [beta1, beta2]")
+    weight_decay: float = spec(1.0, "decoupled weight decay", ge=0)
+    puzzle_emb_lr: float = spec(1e-4, "SignSGD learning rate of the puzzle embedding", ge=0)
+    puzzle_emb_weight_decay: float = spec(1.0, "decoupled weight decay of the puzzle embedding", ge=0)
+    warmup_steps: int = spec(100, "linear warm-up steps", ge=0)
+    schedule: str = spec("constant", "learning rate after warm-up", choices=("constant", "cosine"))
+    min_lr_ratio: float = spec(0.1, "cosine floor as a fraction of lr", ge=0, le=1)
+    grad_clip: float | None = spec(None, "clip the global gradient norm to this; None = no clipping", gt=0)
+    ema: bool = spec(True, "keep an exponential moving average of the weights for evaluation")
+    ema_decay: float = spec(0.999, "EMA decay per step", ge=0, le=1)
+    dtype: str = spec("auto", "training dtype; auto lets the device module choose", choices=DTYPES)
+    device: str = spec("auto", "compute device; auto picks cuda, then mps, then cpu", choices=DEVICES)
+    steps: int | None = spec(None, "optimizer steps to run; None = until the time budget", ge=1)
+    time_budget_s: float | None = spec(None, "wall-clock budget in seconds; None = until steps", gt=0)
+    log_interval: int = spec(10, "steps between metrics lines", ge=1)
+    eval_interval: int | None = spec(None, "steps between evaluations; None = only at the end", ge=1)
+    checkpoint_interval: int | None = spec(None, "steps between checkpoints; None = only at the end", ge=1)
+    seed: int = spec(0, "seed of weights, data order and halting exploration")
+
+    def validate(self, source: str, prefix: str = "training") -> None:
+        micro = self.micro_batch_size
+        if micro is not None and micro * self.grad_accum_steps != self.global_batch_size:
+            raise ConfigError(
+                source, f"{prefix}.micro_batch_size", micro,
+                f"micro_batch_size x grad_accum_steps ({self.grad_accum_steps}) = global_batch_size "
+                f"({self.global_batch_size})", "change one of the three or leave micro_batch_size unset")
+        if micro is None and self.global_batch_size % self.grad_accum_steps:
+            raise ConfigError(source, f"{prefix}.grad_accum_steps", self.grad_accum_steps,
+                              f"a divisor of global_batch_size {self.global_batch_size}",
+                              "pick an accumulation count that divides the global batch")
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            raise ConfigError(source, f"{prefix}.betas", self.betas, "two numbers in [0, 1)", "e.g. [0.9, 0.95]")
+
+    @property
+    def micro_batch(self) -> int:
+        return self.micro_batch_size or self.global_batch_size // self.grad_accum_steps
+
+
+@dataclass
+class ExperimentConfig:
+    """What `raytrm train --config FILE` reads: the model, the data and how to train."""
+
+    model: ModelConfig = spec(ModelConfig(), "the network")
+    data: DataConfig = spec(DataConfig(), "the dataset")
+    training: TrainConfig = spec(TrainConfig(), "the training loop")
+
+
+@dataclass
+class HardwareSummary:
+    """The machine a profile was tuned on, as `raytrm probe` saw it."""
+
+    chip: str = spec("", "chip or CPU name")
+    model: str = spec("", "machine model")
+    memory_gb: float = spec(0.0, "total memory in GiB", ge=0)
+    device: str = spec("cpu", "compute device", choices=("cpu", "cuda", "mps"))
+    performance_cores: int = spec(0, "performance (or all, where there are no kinds) cores", ge=0)
+    efficiency_cores: int = spec(0, "efficiency cores", ge=0)
+
+
+@dataclass
+class Limits:
+    """The tier's limits a profile must respect."""
+
+    memory_budget_mb: int = spec(0, "training memory budget in MiB", ge=1)
+    thermal_cap: str = spec("fair", "highest thermal state tolerated while training", choices=THERMAL_STATES)
+
+
+@dataclass
+class Measured:
+    """What the tuner measured for the profile's settings."""
+
+    samples_per_sec: float = spec(0.0, "sustained training samples per second after warm-up", ge=0)
+    peak_memory_mb: float = spec(0.0, "measured peak memory in MiB", ge=0)
+    thermal_max: str = spec("nominal", "hottest thermal state seen", choices=(*THERMAL_STATES, "unknown"))
+    objective: dict = spec({}, "the objective value(s) of the trial, by name")
+    trial: int | None = spec(None, "Optuna trial number", ge=0)
+    study: str | None = spec(None, "Optuna study name and storage")
+
+
+@dataclass
+class Profile:
+    """The product's central artifact: the best settings for one machine tier."""
+
+    raytrm_profile: int = spec(PROFILE_SCHEMA_VERSION, "profile schema version",
+                               choices=(PROFILE_SCHEMA_VERSION,))
+    tier: str = spec("", "tier name from tiers.yaml")
+    hardware: HardwareSummary = spec(HardwareSummary(), "the machine it was tuned on")
+    model: ModelConfig = spec(ModelConfig(), "the network")
+    data: DataConfig = spec(DataConfig(), "the dataset")
+    training: TrainConfig = spec(TrainConfig(), "the training loop")
+    limits: Limits = spec(Limits(), "the tier's limits")
+    measured: Measured = spec(Measured(), "what the tuner measured")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+             dict: "a mapping"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(value: Any, tp: Any, source: str, path: str) -> Any:
+    """Check value against the annotation tp; returns the value (dataclasses built, ints widened to float)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, source, path)
+            except ConfigError:
+                pass
+        raise ConfigError(source, path, value, _type_name(tp))
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, source, path)
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, tp)
+    if not ok:
+        raise ConfigError(source, path, value, _type_name(tp))
+    return value
+
+
+def _check_rules(value: Any, meta: typing.Mapping, source: str, path: str) -> None:
+    if value is None:
+        return
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        raise ConfigError(source, path, value, "one of " + ", ".join(map(str, meta["choices"])))
+    for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                          ("le", lambda v, b: v <= b, "<=")):
+        bound = meta.get(key)
+        if bound is not None and not ok(value, bound):
+            raise ConfigError(source, path, value, f"a value {word} {bound}")
+
+
+def from_dict(cls: type[T], data: Any, source: str = "<config>", prefix: str = "") -> T:
+    """Build the dataclass cls from a mapping, rejecting unknown keys and invalid values with one clear line."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(source, prefix or "(top level)", data, "a mapping of field: value")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else "remove it"
+            raise UserError(f"{source}: {path}: unknown field; {hint} (known: {', '.join(fields)})")
+        value = _coerce(value, hints[key], source, path)
+        _check_rules(value, fields[key].metadata, source, path)
+        kwargs[key] = value
+    obj = cls(**kwargs)
+    if hasattr(obj, "validate"):
+        obj.validate(source, prefix or cls.__name__)
+    return obj
+
+
+def to_dict(obj: Any) -> dict:
+    """A plain dict (YAML-ready) of a config dataclass."""
+    return dataclasses.asdict(obj)
+
+
+def describe(cls: type) -> dict[str, str]:
+    """Field name -> one-line description, for help texts and docs."""
+    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# YAML files
+
+
+def read_yaml(path: str | os.PathLike) -> Any:
+    """Parse a YAML file; a missing or malformed file is a UserError naming the file and the line."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: no such file; check the path")
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise UserError(f"{p}: malformed YAML{where}: {problem}; fix the syntax there") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{p}: not a text file; expected UTF-8 YAML") from None
+
+
+def load(cls: type[T], path: str | os.PathLike) -> T:
+    """Read and validate one config file."""
+    return from_dict(cls, read_yaml(path), str(path))
+
+
+def load_profile(path: str | os.PathLike) -> Profile:
+    """Read a profile; a missing or newer schema version is refused with the fix."""
+    data = read_yaml(path)
+    if isinstance(data, dict) and "raytrm_profile" not in data:
+        raise ConfigError(str(path), "raytrm_profile", None, f"schema version {PROFILE_SCHEMA_VERSION}",
+                          "this is not a raytrm profile; export one with `raytrm export RUN_DIR`")
+    return from_dict(Profile, data, str(path))
+
+
+def write_yaml(data: Any, path: str | os.PathLike) -> Path:
+    """Write YAML atomically: a reader never sees a half-written file."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if dataclasses.is_dataclass(data):
+        data = to_dict(data)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(data, f, sort_keys=False, default_flow_style=None)
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p

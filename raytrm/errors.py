@@ -1,0 +1,26 @@
+"""The one error type a user can meet: printed as one line by the CLI, exit code 2."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input from the user: a file, a flag, a dataset, an address.
+
+    The message is a single line that names what was wrong and how to fix it; the CLI prints it without a
+    traceback and exits with code 2.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+class ConfigError(UserError):
+    """A config or profile value that does not validate."""
+
+    def __init__(self, source: str, path: str, received: object, expected: str, fix: str = "") -> None:
+        self.source, self.path, self.received, self.expected = source, path, received, expected
+        where = f"{source}: {path}" if path else source
+        tail = f"; fix: {fix}" if fix else ""
+        super().__init__(f"{where}: got {received!r}, expected {expected}{tail}")
