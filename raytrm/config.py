@@ -29,8 +29,15 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
-def spec(default: Any, doc: str, *, choices: tuple | None = None, ge: float | None = None,
-         gt: float | None = None, le: float | None = None) -> Any:
+def spec(
+    default: Any,
+    doc: str,
+    *,
+    choices: tuple | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+) -> Any:
     """A dataclass field with its description and validation rule."""
     rules = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le}
     if isinstance(default, (list, dict)):
@@ -49,7 +56,9 @@ class ModelConfig:
     """The network: TRM (attention or mlp_t) or, later, a plain transformer."""
 
     name: str = spec("trm", "model family", choices=("trm",))
-    variant: str = spec("mlp_t", "TRM block mixer: self-attention, or an MLP across positions", choices=("attention", "mlp_t"))
+    variant: str = spec(
+        "mlp_t", "TRM block mixer: self-attention, or an MLP across positions", choices=("attention", "mlp_t")
+    )
     hidden_size: int = spec(512, "width of the residual stream", ge=8)
     num_heads: int = spec(8, "attention heads (attention variant)", ge=1)
     expansion: float = spec(4.0, "SwiGLU expansion factor before the 2/3 rule and rounding to 256", gt=0)
@@ -61,17 +70,29 @@ class ModelConfig:
     rms_norm_eps: float = spec(1e-5, "RMSNorm epsilon", gt=0)
     puzzle_emb_len: int = spec(16, "positions prepended for the puzzle embedding (0 disables it)", ge=0)
     halt_max_steps: int = spec(16, "most supervision steps a sample gets before it is halted", ge=1)
-    halt_exploration_prob: float = spec(0.1, "probability a slot is forced to run a random minimum of steps", ge=0, le=1)
+    halt_exploration_prob: float = spec(
+        0.1, "probability a slot is forced to run a random minimum of steps", ge=0, le=1
+    )
     halt_at_eval: bool = spec(False, "at evaluation, stop a sample when q_halt > 0 instead of running all steps")
     forward_dtype: str = spec("auto", "dtype of the forward pass; auto lets the device module choose", choices=DTYPES)
 
     def validate(self, source: str, prefix: str = "model") -> None:
         if self.variant == "attention" and self.hidden_size % self.num_heads:
-            raise ConfigError(source, f"{prefix}.num_heads", self.num_heads,
-                              f"a divisor of hidden_size {self.hidden_size}", "pick heads that divide the width")
+            raise ConfigError(
+                source,
+                f"{prefix}.num_heads",
+                self.num_heads,
+                f"a divisor of hidden_size {self.hidden_size}",
+                "pick heads that divide the width",
+            )
         if self.variant == "mlp_t" and self.pos_encodings == "rope":
-            raise ConfigError(source, f"{prefix}.pos_encodings", "rope", "'none' or 'learned' for the mlp_t variant",
-                              "mlp_t mixes positions with an MLP and has no attention to rotate")
+            raise ConfigError(
+                source,
+                f"{prefix}.pos_encodings",
+                "rope",
+                "'none' or 'learned' for the mlp_t variant",
+                "mlp_t mixes positions with an MLP and has no attention to rotate",
+            )
 
 
 @dataclass
@@ -123,13 +144,21 @@ class TrainConfig:
         micro = self.micro_batch_size
         if micro is not None and micro * self.grad_accum_steps != self.global_batch_size:
             raise ConfigError(
-                source, f"{prefix}.micro_batch_size", micro,
+                source,
+                f"{prefix}.micro_batch_size",
+                micro,
                 f"micro_batch_size x grad_accum_steps ({self.grad_accum_steps}) = global_batch_size "
-                f"({self.global_batch_size})", "change one of the three or leave micro_batch_size unset")
+                f"({self.global_batch_size})",
+                "change one of the three or leave micro_batch_size unset",
+            )
         if micro is None and self.global_batch_size % self.grad_accum_steps:
-            raise ConfigError(source, f"{prefix}.grad_accum_steps", self.grad_accum_steps,
-                              f"a divisor of global_batch_size {self.global_batch_size}",
-                              "pick an accumulation count that divides the global batch")
+            raise ConfigError(
+                source,
+                f"{prefix}.grad_accum_steps",
+                self.grad_accum_steps,
+                f"a divisor of global_batch_size {self.global_batch_size}",
+                "pick an accumulation count that divides the global batch",
+            )
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
             raise ConfigError(source, f"{prefix}.betas", self.betas, "two numbers in [0, 1)", "e.g. [0.9, 0.95]")
 
@@ -183,8 +212,7 @@ class Measured:
 class Profile:
     """The product's central artifact: the best settings for one machine tier."""
 
-    raytrm_profile: int = spec(PROFILE_SCHEMA_VERSION, "profile schema version",
-                               choices=(PROFILE_SCHEMA_VERSION,))
+    raytrm_profile: int = spec(PROFILE_SCHEMA_VERSION, "profile schema version", choices=(PROFILE_SCHEMA_VERSION,))
     tier: str = spec("", "tier name from tiers.yaml")
     hardware: HardwareSummary = spec(HardwareSummary(), "the machine it was tuned on")
     model: ModelConfig = spec(ModelConfig(), "the network")
@@ -205,8 +233,14 @@ def _type_name(tp: Any) -> str:
         return "null"
     if dataclasses.is_dataclass(tp):
         return "a mapping"
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
-             dict: "a mapping"}
+    names = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "true or false",
+        list: "a list",
+        dict: "a mapping",
+    }
     return names.get(tp, getattr(tp, "__name__", str(tp)))
 
 
@@ -245,8 +279,11 @@ def _check_rules(value: Any, meta: typing.Mapping, source: str, path: str) -> No
         return
     if meta.get("choices") is not None and value not in meta["choices"]:
         raise ConfigError(source, path, value, "one of " + ", ".join(map(str, meta["choices"])))
-    for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-                          ("le", lambda v, b: v <= b, "<=")):
+    for key, ok, word in (
+        ("ge", lambda v, b: v >= b, ">="),
+        ("gt", lambda v, b: v > b, ">"),
+        ("le", lambda v, b: v <= b, "<="),
+    ):
         bound = meta.get(key)
         if bound is not None and not ok(value, bound):
             raise ConfigError(source, path, value, f"a value {word} {bound}")
@@ -315,21 +352,32 @@ def load_profile(path: str | os.PathLike) -> Profile:
     """Read a profile; a missing or newer schema version is refused with the fix."""
     data = read_yaml(path)
     if isinstance(data, dict) and "raytrm_profile" not in data:
-        raise ConfigError(str(path), "raytrm_profile", None, f"schema version {PROFILE_SCHEMA_VERSION}",
-                          "this is not a raytrm profile; export one with `raytrm export RUN_DIR`")
+        raise ConfigError(
+            str(path),
+            "raytrm_profile",
+            None,
+            f"schema version {PROFILE_SCHEMA_VERSION}",
+            "this is not a raytrm profile; export one with `raytrm export RUN_DIR`",
+        )
     return from_dict(Profile, data, str(path))
+
+
+def dump_yaml(data: Any) -> str:
+    """YAML text of a config dataclass or plain data, in field order."""
+    if dataclasses.is_dataclass(data):
+        data = to_dict(data)
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
 def write_yaml(data: Any, path: str | os.PathLike) -> Path:
     """Write YAML atomically: a reader never sees a half-written file."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    if dataclasses.is_dataclass(data):
-        data = to_dict(data)
+    text = dump_yaml(data)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(data, f, sort_keys=False, default_flow_style=None)
+            f.write(text)
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

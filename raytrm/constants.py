@@ -1,0 +1,27 @@
+"""Every environment-variable knob of raytrm, declared once with its default."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: Directory of tiers.yaml and the search spaces; default: tune_spaces/ beside the package in a checkout.
+SPACES_DIR_ENV = "RAYTRM_SPACES_DIR"
+#: Where generated datasets and other reusable artifacts are cached.
+CACHE_DIR_ENV = "RAYTRM_CACHE_DIR"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "raytrm"
+#: Log level of the `raytrm` command (DEBUG, INFO, WARNING).
+LOG_LEVEL_ENV = "RAYTRM_LOG_LEVEL"
+DEFAULT_LOG_LEVEL = "INFO"
+
+
+def spaces_dir() -> Path:
+    """The tune_spaces directory: $RAYTRM_SPACES_DIR, else the checkout's tune_spaces/."""
+    env = os.environ.get(SPACES_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "tune_spaces"
+
+
+def cache_dir() -> Path:
+    """The cache directory: $RAYTRM_CACHE_DIR, else ~/.cache/raytrm."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env) if env else DEFAULT_CACHE_DIR
