@@ -48,6 +48,140 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+# Flags for the common fields of a training config: flag -> (section, field, type, help).
+TRAIN_FLAGS = {
+    "--steps": ("training", "steps", int, "optimizer steps to run"),
+    "--time-budget": ("training", "time_budget_s", float, "wall-clock budget in seconds"),
+    "--global-batch": ("training", "global_batch_size", int, "samples per optimizer step"),
+    "--micro-batch": ("training", "micro_batch_size", int, "samples per forward/backward"),
+    "--grad-accum": ("training", "grad_accum_steps", int, "micro-batches per optimizer step"),
+    "--lr": ("training", "lr", float, "peak learning rate"),
+    "--threads": ("training", "threads", int, "torch intra-op threads"),
+    "--device": ("training", "device", str, "auto, cpu, cuda or mps"),
+    "--dtype": ("training", "dtype", str, "auto, float32, bfloat16 or float16"),
+    "--seed": ("training", "seed", int, "seed of weights, data order and exploration"),
+    "--eval-interval": ("training", "eval_interval", int, "steps between evaluations"),
+    "--log-interval": ("training", "log_interval", int, "steps between metrics lines"),
+    "--checkpoint-interval": ("training", "checkpoint_interval", int, "steps between checkpoints"),
+    "--variant": ("model", "variant", str, "TRM variant: mlp_t or attention"),
+    "--hidden-size": ("model", "hidden_size", int, "model width"),
+    "--H-cycles": ("model", "H_cycles", int, "outer recursion rounds"),
+    "--L-cycles": ("model", "L_cycles", int, "latent updates per round"),
+    "--L-layers": ("model", "L_layers", int, "blocks in the network"),
+    "--dataset": ("data", "name", str, "generated dataset: sudoku or maze"),
+    "--data": ("data", "path", str, "dataset directory in the TRM reference layout"),
+    "--givens": ("data", "givens", int, "Sudoku clues per puzzle (fewer is harder)"),
+    "--train-puzzles": ("data", "train_puzzles", int, "puzzles generated for training"),
+}
+
+
+def _flag_dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, dict[str, object]]:
+    out: dict[str, dict[str, object]] = {}
+    for flag, (section, name, _, _) in TRAIN_FLAGS.items():
+        value = getattr(args, _flag_dest(flag))
+        if value is not None:
+            out.setdefault(section, {})[name] = value
+    return out
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from raytrm.train.defaults import resolve_experiment
+    from raytrm.train.run import run_training
+
+    experiment, run_dir = resolve_experiment(
+        config_file=args.config, profile_file=args.profile, out=args.out, resume=args.resume, overrides=_overrides(args)
+    )
+    summary = run_training(experiment, run_dir, resume=args.resume, progress=not args.quiet)
+    print(format_summary(summary, run_dir))
+    return 0
+
+
+def format_summary(summary: dict, run_dir: object) -> str:
+    """The end-of-run lines a person reads."""
+    lines = [
+        f"trained {summary['steps']} steps in {summary['train_seconds']:.1f} s "
+        f"({summary['samples_per_sec']:.1f} samples/s, {summary['device']} {summary['dtype']}), "
+        f"peak memory {summary['peak_rss_mb']:.0f} MiB",
+        f"eval on {summary['eval_puzzles']:.0f} puzzles: cell accuracy {summary['eval_cell_acc']:.3f} "
+        f"(copying the givens scores {summary['eval_copy_givens_acc']:.3f}), "
+        f"exact {summary['eval_exact_acc']:.3f}, {summary['eval_steps']:.1f} supervision steps",
+        f"run directory {run_dir}: metrics.jsonl, summary.json, checkpoint {summary['checkpoint']}",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from raytrm.data.build import build_dataset
+
+    test_count = args.test_count if args.test_count is not None else max(1, args.count // 10)
+    path = build_dataset(
+        args.kind,
+        args.out,
+        count=args.count,
+        test_count=test_count,
+        givens=args.givens,
+        augment=args.augment,
+        size=args.size,
+        seed=args.seed,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote {args.kind} dataset to {path} (train and test splits)")
+    return 0
+
+
+def cmd_import_checkpoint(args: argparse.Namespace) -> int:
+    from raytrm.train.reference import import_reference
+
+    path = import_reference(args.checkpoint, args.out, config_file=args.config)
+    print(f"imported {args.checkpoint} into {path}; continue with `raytrm train --out {args.out} --resume`")
+    return 0
+
+
+def cmd_export_checkpoint(args: argparse.Namespace) -> int:
+    from raytrm.train.reference import export_reference
+
+    path = export_reference(args.run_dir, args.out, ema=not args.raw_weights)
+    print(f"wrote {path} in the TRM reference layout")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from raytrm.bench.trm import as_json, bench_trm, format_rows
+    from raytrm.hardware.probe import detect
+
+    with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
+        rows = bench_trm(
+            args.variants,
+            args.hidden,
+            args.batch,
+            args.threads,
+            args.device,
+            Path(work),
+            repeats=args.repeats,
+            dtype=args.dtype,
+        )
+    print(format_rows(rows))
+    if args.json:
+        hw = detect()
+        doc = {
+            "bench": "trm",
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": f"{hw.chip}, {hw.logical_cpus} CPUs",
+            "command": "raytrm " + " ".join(sys.argv[1:]),
+            "rows": as_json(rows),
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raytrm", description="Train and autotune Tiny Recursive Models across a few Macs with Ray."
@@ -64,6 +198,52 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check a training config, profile or tier table and show it resolved")
     p.add_argument("file", help="a YAML file: training config, profile (raytrm_profile: 1) or tiers.yaml")
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("data", help="generate a Sudoku or maze dataset in the TRM reference layout")
+    p.add_argument("kind", choices=("sudoku", "maze"))
+    p.add_argument("--out", required=True, help="dataset directory to create")
+    p.add_argument("--count", type=int, default=1000, help="training puzzles before augmentation")
+    p.add_argument("--test-count", type=int, default=None, help="test puzzles (default: count / 10, at least 1)")
+    p.add_argument("--givens", type=int, default=36, help="Sudoku clues per puzzle (17..80; fewer is harder)")
+    p.add_argument("--augment", type=int, default=0, help="augmented copies per training puzzle")
+    p.add_argument("--size", type=int, default=30, help="maze side length")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset directory")
+    p.set_defaults(func=cmd_data)
+
+    p = sub.add_parser("train", help="train on this machine (no Ray); without arguments, a small TRM on Sudoku")
+    p.add_argument("--config", metavar="FILE", help="training config (model, data, training)")
+    p.add_argument("--profile", metavar="FILE", help="a tuned profile: train with exactly its settings")
+    p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/train-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest good checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    for flag, (_, _, kind, text) in TRAIN_FLAGS.items():
+        p.add_argument(flag, dest=_flag_dest(flag), type=kind, default=None, help=text)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("import-checkpoint", help="load a TRM reference checkpoint into a new raytrm run")
+    p.add_argument("checkpoint", help="a state_dict saved by the reference (keys _orig_mod.model.inner.*)")
+    p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory to create")
+    p.add_argument("--config", metavar="FILE", help="training config matching the checkpoint's model")
+    p.set_defaults(func=cmd_import_checkpoint)
+
+    p = sub.add_parser("export-checkpoint", help="write a run's weights in the TRM reference layout")
+    p.add_argument("run_dir", help="a raytrm run directory")
+    p.add_argument("--out", required=True, metavar="FILE", help="file to write")
+    p.add_argument("--raw-weights", action="store_true", help="export the raw weights instead of the EMA")
+    p.set_defaults(func=cmd_export_checkpoint)
+
+    p = sub.add_parser("bench", help="measure training throughput against this machine's matmul ceiling")
+    p.add_argument("what", choices=("trm",), help="trm: TRM training samples/s and fraction of the matmul rate")
+    p.add_argument("--variants", nargs="+", default=["mlp_t", "attention"], choices=("mlp_t", "attention"))
+    p.add_argument("--hidden", nargs="+", type=int, default=[128, 256, 512])
+    p.add_argument("--batch", type=int, default=16, help="global batch (one micro-batch)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per row; the median is reported")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -131,6 +131,9 @@ class TrainConfig:
     grad_clip: float | None = spec(None, "clip the global gradient norm to this; None = no clipping", gt=0)
     ema: bool = spec(True, "keep an exponential moving average of the weights for evaluation")
     ema_decay: float = spec(0.999, "EMA decay per step", ge=0, le=1)
+    ema_warmup: bool = spec(
+        True, "ramp the EMA decay as (1+n)/(10+n) up to ema_decay; false = the reference's constant"
+    )
     dtype: str = spec("auto", "training dtype; auto lets the device module choose", choices=DTYPES)
     device: str = spec("auto", "compute device; auto picks cuda, then mps, then cpu", choices=DEVICES)
     steps: int | None = spec(None, "optimizer steps to run; None = until the time budget", ge=1)

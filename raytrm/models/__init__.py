@@ -1,0 +1,43 @@
+"""raytrm's models: TRM (attention or mlp_t), its losses, shared layers and reference-checkpoint import/export."""
+
+from raytrm.models.layers import (
+    Attention,
+    Embedding,
+    Linear,
+    RotaryEmbedding,
+    SparseEmbedding,
+    SwiGLU,
+    rms_norm,
+    swiglu_width,
+    trunc_normal_,
+)
+from raytrm.models.losses import IGNORE_LABEL_ID, act_loss, stablemax_cross_entropy
+from raytrm.models.reference_io import (
+    from_reference_state_dict,
+    load_reference_checkpoint,
+    save_reference_checkpoint,
+    to_reference_state_dict,
+)
+from raytrm.models.trm import TRM, Carry, Exploration
+
+__all__ = [
+    "IGNORE_LABEL_ID",
+    "TRM",
+    "Attention",
+    "Carry",
+    "Embedding",
+    "Exploration",
+    "Linear",
+    "RotaryEmbedding",
+    "SparseEmbedding",
+    "SwiGLU",
+    "act_loss",
+    "from_reference_state_dict",
+    "load_reference_checkpoint",
+    "rms_norm",
+    "save_reference_checkpoint",
+    "stablemax_cross_entropy",
+    "swiglu_width",
+    "to_reference_state_dict",
+    "trunc_normal_",
+]

@@ -1,0 +1,205 @@
+"""Shared layers of raytrm's models: norm, linear, embeddings, SwiGLU, RoPE and attention.
+
+Weights are kept in fp32 (the master copy); a layer casts them to the dtype of its input only when that differs,
+so a bf16 forward reads fp32 weights the way the TRM reference does, and an fp32 forward pays for no casts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype, without a call or a copy when it already is."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def trunc_normal_(tensor: torch.Tensor, std: float = 1.0, lower: float = -2.0, upper: float = 2.0) -> torch.Tensor:
+    """Fill tensor from a normal truncated at [lower, upper] sigmas whose std after truncation is `std`.
+
+    torch.nn.init.trunc_normal_ takes the std of the normal before truncation; the reference (like JAX/flax)
+    rescales so the truncated distribution itself has the requested std, which we match.
+    """
+    with torch.no_grad():
+        if std == 0:
+            return tensor.zero_()
+        # Variance of a standard normal truncated to [lower, upper].
+        z = (math.erf(upper / math.sqrt(2)) - math.erf(lower / math.sqrt(2))) / 2
+        pdf_lo = math.exp(-0.5 * lower**2) / math.sqrt(2 * math.pi)
+        pdf_up = math.exp(-0.5 * upper**2) / math.sqrt(2 * math.pi)
+        var = 1 - (upper * pdf_up - lower * pdf_lo) / z - ((pdf_lo - pdf_up) / z) ** 2
+        scale = std / math.sqrt(var)
+        # Inverse-CDF sampling: a uniform in erf-space maps to the truncated normal.
+        tensor.uniform_(math.erf(lower / math.sqrt(2)), math.erf(upper / math.sqrt(2)))
+        tensor.erfinv_().mul_(math.sqrt(2) * scale)
+        return tensor.clamp_(lower * scale, upper * scale)
+
+
+def rms_norm(x: torch.Tensor, eps: float, dim: int = -1) -> torch.Tensor:
+    """RMSNorm without a learned scale, computed in fp32 and returned in x's dtype."""
+    h = cast(x, torch.float32)
+    h = h * torch.rsqrt(h.square().mean(dim, keepdim=True) + eps)
+    return cast(h, x.dtype)
+
+
+def swiglu_width(hidden_size: int, expansion: float) -> int:
+    """Inner width of a SwiGLU: the 2/3 rule, then rounded up to a multiple of 256."""
+    inner = round(expansion * hidden_size * 2 / 3)
+    return -(-inner // 256) * 256
+
+
+class Linear(nn.Module):
+    """Linear layer with truncated LeCun-normal init (std 1/sqrt(fan_in)); bias, if any, starts at zero."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(trunc_normal_(torch.empty(out_features, in_features), std=in_features**-0.5))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else cast(self.bias, x.dtype)
+        return F.linear(x, cast(self.weight, x.dtype), bias)
+
+
+class Embedding(nn.Module):
+    """A table of vectors with truncated-normal init; the lookup is in fp32, the caller casts."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(trunc_normal_(torch.empty(num_embeddings, embedding_dim), std=init_std))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class SparseEmbedding(nn.Module):
+    """A zero-initialised table trained outside autograd's parameter list, one row per identifier.
+
+    The table is a persistent buffer, so it is in the state dict but not in `parameters()`: the main optimizer
+    never sees it (and it is not counted as a parameter). In training, each forward gathers the rows it needs
+    into a fresh leaf tensor that receives their gradient; those leaves pile up across accumulated micro-batches
+    until a sparse optimizer (raytrm.train.optim.SignSGD) consumes them with `sparse_grad()` and
+    `clear_grad()`, so 4 micro-batches of 8 give the same update as one batch of 32.
+    """
+
+    weight: torch.Tensor
+
+    # More forwards than any accumulation uses: reaching it means nobody consumes the gradients (a leak).
+    max_pending = 1024
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(num_embeddings, embedding_dim))
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight[ids]  # advanced indexing: a copy, so a leaf of its own
+        if self.training and torch.is_grad_enabled():
+            if len(self._pending) >= self.max_pending:
+                raise RuntimeError(
+                    f"{len(self._pending)} forwards of a sparse embedding without an optimizer step: call "
+                    "SignSGD.step() or zero_grad() (or SparseEmbedding.clear_grad()) after each step"
+                )
+            rows.requires_grad_()
+            self._pending.append((ids, rows))
+        return rows
+
+    def sparse_grad(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(ids [N], grads [N, dim]) of every row gathered since the last clear, or None if none has a gradient."""
+        seen = [(ids, rows.grad) for ids, rows in self._pending if rows.grad is not None]
+        if not seen:
+            return None
+        return torch.cat([ids for ids, _ in seen]), torch.cat([grad for _, grad in seen])
+
+    def clear_grad(self) -> None:
+        self._pending.clear()
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables (cos, sin) for positions [0, max_positions), in fp32, in the rotate-half layout."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos, self.sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., head_dim] by position; cos and sin broadcast against x. In fp32, returned in x's dtype."""
+    h = cast(x, torch.float32)
+    h1, h2 = h.chunk(2, dim=-1)
+    return cast(h * cos + torch.cat((-h2, h1), dim=-1) * sin, x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate) * up), with gate and up from one fused projection."""
+
+    def __init__(self, hidden_size: int, expansion: float) -> None:
+        super().__init__()
+        inner = swiglu_width(hidden_size, expansion)
+        self.gate_up_proj = Linear(hidden_size, 2 * inner)
+        self.down_proj = Linear(inner, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+    def forward_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """The same map applied to every column of a 2-D x [hidden, N], i.e. forward(x.T).T without transposes.
+
+        Mixing along a leading dimension this way is a plain matrix product on a contiguous tensor.
+        """
+        gate, up = torch.mm(cast(self.gate_up_proj.weight, x.dtype), x).chunk(2, dim=0)
+        return torch.mm(cast(self.down_proj.weight, x.dtype), F.silu(gate) * up)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a fused qkv projection, optional RoPE and PyTorch's SDPA kernel.
+
+    x is [B, L, D], or [L, B, D] with seq_first=True.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, causal: bool = False, seq_first: bool = False) -> None:
+        super().__init__()
+        assert hidden_size % num_heads == 0, "hidden_size must be a multiple of num_heads"
+        self.num_heads = num_heads
+        self.head_dim = hidden_size // num_heads
+        self.causal = causal
+        self.seq_first = seq_first
+        self.qkv_proj = Linear(hidden_size, 3 * hidden_size)
+        self.o_proj = Linear(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        H = self.num_heads
+        L = x.shape[0] if self.seq_first else x.shape[1]
+        qkv = self.qkv_proj(x).unflatten(-1, (3 * H, self.head_dim))
+        v = qkv[..., 2 * H :, :]
+        qk = qkv[..., : 2 * H, :]
+        if rope is not None:
+            # q and k share the rotation, so they are rotated in one pass.
+            cos, sin = rope[0][:L], rope[1][:L]
+            if self.seq_first:
+                cos, sin = cos[:, None, None], sin[:, None, None]
+            else:
+                cos, sin = cos[:, None], sin[:, None]
+            qk = apply_rotary(qk, cos, sin)
+        q, k = qk.split(H, dim=-2)
+        # SDPA wants [B, heads, L, head_dim]; these permutes are views.
+        to_heads, from_heads = ((1, 2, 0, 3), (2, 0, 1, 3)) if self.seq_first else ((0, 2, 1, 3), (0, 2, 1, 3))
+        out = F.scaled_dot_product_attention(
+            q.permute(to_heads), k.permute(to_heads), v.permute(to_heads), is_causal=self.causal
+        )
+        return self.o_proj(out.permute(from_heads).flatten(-2))

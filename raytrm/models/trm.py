@@ -1,0 +1,286 @@
+"""TRM, the Tiny Recursive Model ("Less is More: Recursive Reasoning with Tiny Networks"), with ACT halting.
+
+One small network refines two states: z_L (the latent, "z") from the answer and the input, and z_H (the answer,
+"y") from the latent. A supervision step runs H_cycles rounds of L_cycles latent updates and one answer update;
+only the last round is back-propagated. The states persist across supervision steps in a Carry, one slot per
+batch row, until the slot halts (ACT) and takes a new example.
+
+Faithful to the reference SamsungSAILMontreal/TinyRecursiveModels (models/recursive_reasoning/trm.py): same
+equations, inits and parameter counts. Single-device: whoever calls it picks the device and the forward dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from raytrm.config import ModelConfig
+from raytrm.models.layers import (
+    Attention,
+    Embedding,
+    Linear,
+    RotaryEmbedding,
+    SparseEmbedding,
+    SwiGLU,
+    cast,
+    rms_norm,
+    trunc_normal_,
+)
+
+logger = logging.getLogger(__name__)
+
+Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) tables, or None without RoPE
+
+
+@dataclass
+class Carry:
+    """What TRM keeps between supervision steps, one slot per batch row."""
+
+    z_H: torch.Tensor  # [B, L, D] answer state, in the forward dtype
+    z_L: torch.Tensor  # [B, L, D] latent state
+    steps: torch.Tensor  # [B] int32 supervision steps the slot's example has had
+    halted: torch.Tensor  # [B] bool; a halted slot takes the next incoming example
+    inputs: torch.Tensor  # [B, seq_len] the slot's current example
+    labels: torch.Tensor  # [B, seq_len]
+    puzzle_identifiers: torch.Tensor  # [B]
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, torch.Tensor]) -> Carry:
+        return cls(**{f.name: state[f.name] for f in dataclasses.fields(cls)})
+
+    def __getitem__(self, index: slice | torch.Tensor) -> Carry:
+        """The carry of some slots (a micro-batch's share of a global carry)."""
+        return Carry(**{k: v[index] for k, v in self.to_dict().items()})
+
+    @classmethod
+    def cat(cls, carries: Sequence[Carry]) -> Carry:
+        """Slots of several carries, in order: the inverse of slicing."""
+        return cls(**{f.name: torch.cat([getattr(c, f.name) for c in carries]) for f in dataclasses.fields(cls)})
+
+    def to(self, device: torch.device | str) -> Carry:
+        return Carry(**{k: v.to(device) for k, v in self.to_dict().items()})
+
+
+@dataclass
+class Exploration:
+    """Per-slot halting exploration: a slot may not halt before min_halt_steps (0 where not exploring).
+
+    Drawn outside the model so a trainer can draw it for the whole global batch and slice it per micro-batch.
+    """
+
+    min_halt_steps: torch.Tensor  # [B] int32
+
+    @classmethod
+    def draw(
+        cls,
+        batch_size: int,
+        prob: float,
+        halt_max_steps: int,
+        generator: torch.Generator | None = None,
+        device: torch.device | None = None,
+    ) -> Exploration:
+        """With probability prob, a slot gets a minimum drawn uniformly from 2..halt_max_steps."""
+        if halt_max_steps < 2:
+            return cls(torch.zeros(batch_size, dtype=torch.int32, device=device))
+        where = generator.device if generator is not None else device
+        explore = torch.rand(batch_size, generator=generator, device=where) < prob
+        minimum = torch.randint(
+            2, halt_max_steps + 1, (batch_size,), generator=generator, device=where, dtype=torch.int32
+        )
+        min_halt_steps = torch.where(explore, minimum, 0)
+        return cls(min_halt_steps if device is None else min_halt_steps.to(device))
+
+    def __getitem__(self, index: slice | torch.Tensor) -> Exploration:
+        return Exploration(self.min_halt_steps[index])
+
+
+class Block(nn.Module):
+    """Post-norm block on positions-first x [L, B, D]: a mixer across positions (attention or mlp_t), then a
+    SwiGLU across features."""
+
+    def __init__(self, config: ModelConfig, positions: int) -> None:
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.attn: Attention | None = None
+        self.mlp_t: SwiGLU | None = None
+        if config.variant == "mlp_t":
+            self.mlp_t = SwiGLU(positions, config.expansion)
+        else:
+            self.attn = Attention(config.hidden_size, config.num_heads, causal=False, seq_first=True)
+        self.mlp = SwiGLU(config.hidden_size, config.expansion)
+
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        L, B, D = x.shape
+        if self.mlp_t is not None:
+            # The reference mixes and normalises the transposed [B, D, L] tensor, so this norm is over positions.
+            cols = x.view(L, B * D)
+            x = rms_norm(cols + self.mlp_t.forward_columns(cols), self.eps, dim=0).view(L, B, D)
+        else:
+            assert self.attn is not None
+            x = rms_norm(x + self.attn(x, rope), self.eps)
+        return rms_norm(x + self.mlp(x), self.eps)
+
+
+class TRM(nn.Module):
+    """Tiny Recursive Model with ACT halting over a persistent carry.
+
+    Weights are fp32; `dtype` is the forward dtype (states and activations), chosen by the caller.
+    """
+
+    z_H_init: torch.Tensor
+    z_L_init: torch.Tensor
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        vocab_size: int,
+        seq_len: int,
+        num_puzzle_identifiers: int = 1,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.seq_len = seq_len
+        self.puzzle_emb_len = config.puzzle_emb_len
+        positions = seq_len + self.puzzle_emb_len
+        hidden = config.hidden_size
+        self.embed_scale = math.sqrt(hidden)
+
+        self.embed_tokens = Embedding(vocab_size, hidden, init_std=1.0 / self.embed_scale)
+        self.lm_head = Linear(hidden, vocab_size)
+        # Two outputs (halt, continue) as in the reference; only halt is used, continue keeps the counts equal.
+        self.q_head = Linear(hidden, 2, bias=True)
+        # The reference's puzzle vector has puzzle_emb_ndim = hidden_size entries: it fills prefix position 0.
+        self.puzzle_emb = SparseEmbedding(num_puzzle_identifiers, hidden) if self.puzzle_emb_len else None
+        self.rotary: RotaryEmbedding | None = None
+        self.embed_pos: Embedding | None = None
+        if config.pos_encodings == "rope":
+            self.rotary = RotaryEmbedding(hidden // config.num_heads, positions, config.rope_theta)
+        elif config.pos_encodings == "learned":
+            self.embed_pos = Embedding(positions, hidden, init_std=1.0 / self.embed_scale)
+        self.blocks = nn.ModuleList(Block(config, positions) for _ in range(config.L_layers))
+        self.register_buffer("z_H_init", trunc_normal_(torch.empty(hidden), std=1.0))
+        self.register_buffer("z_L_init", trunc_normal_(torch.empty(hidden), std=1.0))
+        with torch.no_grad():
+            # Q starts near "never halt" so halting is learned only once answers become right.
+            self.q_head.weight.zero_()
+            assert self.q_head.bias is not None
+            self.q_head.bias.fill_(-5.0)
+        logger.debug("TRM %s: %d parameters, forward dtype %s", config.variant, self.num_parameters(), dtype)
+
+    def num_parameters(self) -> int:
+        """Parameters as the reference counts them: the puzzle-embedding table is a buffer, so it is excluded."""
+        return sum(p.numel() for p in self.parameters())
+
+    # -- one supervision step ------------------------------------------------------------------------------------
+
+    def _embed(self, inputs: torch.Tensor, puzzle_identifiers: torch.Tensor) -> torch.Tensor:
+        """Input embeddings, positions-first [L, B, D]."""
+        x = cast(self.embed_tokens(inputs.t()), self.dtype)
+        if self.puzzle_emb is not None:
+            puzzle = cast(self.puzzle_emb(puzzle_identifiers), self.dtype).unsqueeze(0)
+            padding = x.new_zeros(self.puzzle_emb_len - 1, x.shape[1], x.shape[2])
+            x = torch.cat((puzzle, padding, x), dim=0)
+        if self.embed_pos is not None:
+            # Scaled by 1/sqrt(2) to keep the forward variance of the sum.
+            x = 0.707106781 * (x + cast(self.embed_pos.weight, self.dtype).unsqueeze(1))
+        return self.embed_scale * x
+
+    def _net(self, h: torch.Tensor, inject: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """The one network of TRM: add the injection, then the blocks."""
+        h = h + inject
+        for block in self.blocks:
+            h = block(h, rope)
+        return h
+
+    def _recurse(self, z_H: torch.Tensor, z_L: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rope = self.rotary() if self.rotary is not None else None
+        # All rounds but the last refine the states without a graph: deep supervision back-propagates one round.
+        with torch.no_grad():
+            for _ in range(self.config.H_cycles - 1):
+                z_H, z_L = self._round(z_H, z_L, x, rope)
+        return self._round(z_H, z_L, x, rope)
+
+    def _round(
+        self, z_H: torch.Tensor, z_L: torch.Tensor, x: torch.Tensor, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """L_cycles latent updates from the answer and the input, then one answer update from the latent."""
+        inject = z_H + x  # z_H is fixed during the latent updates, so the sum is formed once
+        for _ in range(self.config.L_cycles):
+            z_L = self._net(z_L, inject, rope)
+        return self._net(z_H, z_L, rope), z_L
+
+    # -- ACT over the carry --------------------------------------------------------------------------------------
+
+    def initial_carry(self, batch: dict[str, torch.Tensor]) -> Carry:
+        """A carry with every slot halted, so the first step fills all slots from its batch."""
+        inputs = batch["inputs"]
+        B = inputs.shape[0]
+        shape = (B, self.seq_len + self.puzzle_emb_len, self.config.hidden_size)
+        return Carry(
+            z_H=torch.zeros(shape, dtype=self.dtype, device=inputs.device),
+            z_L=torch.zeros(shape, dtype=self.dtype, device=inputs.device),
+            steps=torch.zeros(B, dtype=torch.int32, device=inputs.device),
+            halted=torch.ones(B, dtype=torch.bool, device=inputs.device),
+            inputs=torch.zeros_like(inputs),
+            labels=torch.zeros_like(batch["labels"]),
+            puzzle_identifiers=torch.zeros_like(batch["puzzle_identifiers"]),
+        )
+
+    def forward(
+        self,
+        carry: Carry,
+        batch: dict[str, torch.Tensor],
+        exploration: Exploration | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Carry, dict[str, torch.Tensor]]:
+        """One supervision step for every slot.
+
+        Halted slots restart from the initial states with the batch's row at their index; rows landing on
+        unhalted slots are dropped. Returns the new carry (detached) and {"logits" [B, seq_len, vocab],
+        "q_halt_logits" [B] fp32, "q_continue_logits" [B] fp32}; the labels to score are `carry.labels`.
+        In training, `exploration` is drawn from `generator` (or the default RNG) when not given.
+        """
+        halted = carry.halted
+        # Inside the step the states are positions-first [L, B, D]: mlp_t then mixes positions, and the feature
+        # MLP mixes features, each as a plain matrix product on a contiguous view, with no transposes.
+        reset = halted.view(1, -1, 1)
+        z_H = torch.where(reset, cast(self.z_H_init, self.dtype), carry.z_H.transpose(0, 1)).contiguous()
+        z_L = torch.where(reset, cast(self.z_L_init, self.dtype), carry.z_L.transpose(0, 1)).contiguous()
+        steps = torch.where(halted, 0, carry.steps)
+        inputs = torch.where(halted.view(-1, 1), batch["inputs"], carry.inputs)
+        labels = torch.where(halted.view(-1, 1), batch["labels"], carry.labels)
+        puzzle_identifiers = torch.where(halted, batch["puzzle_identifiers"], carry.puzzle_identifiers)
+
+        z_H, z_L = self._recurse(z_H, z_L, self._embed(inputs, puzzle_identifiers))
+        z_H = z_H.transpose(0, 1).contiguous()
+        z_L = z_L.transpose(0, 1).contiguous()
+        logits = self.lm_head(z_H[:, self.puzzle_emb_len :])
+        q_halt, q_continue = cast(self.q_head(z_H[:, 0]), torch.float32).unbind(-1)
+
+        with torch.no_grad():
+            steps = steps + 1
+            max_steps = self.config.halt_max_steps
+            halted = steps >= max_steps
+            if self.training and max_steps > 1:
+                halted = halted | (q_halt > 0)
+                if exploration is None:
+                    exploration = Exploration.draw(
+                        steps.shape[0], self.config.halt_exploration_prob, max_steps, generator, steps.device
+                    )
+                halted = halted & (steps >= exploration.min_halt_steps.to(steps.device))
+            elif not self.training and self.config.halt_at_eval:
+                halted = halted | (q_halt > 0)
+
+        new_carry = Carry(z_H.detach(), z_L.detach(), steps, halted, inputs, labels, puzzle_identifiers)
+        return new_carry, {"logits": logits, "q_halt_logits": q_halt, "q_continue_logits": q_continue}

@@ -1,0 +1,97 @@
+"""Which experiment `raytrm train` runs: a config file, a profile, a run being resumed, or the embedded default.
+
+The embedded default is a small TRM on generated Sudoku, sized to finish in a few minutes on a laptop and to learn
+clearly more than copying the givens; threads and loader workers come from this machine's tier.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from raytrm import config as cfg
+from raytrm.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+#: The embedded default of `raytrm train`: small enough for a laptop's CPU, large enough to learn Sudoku rules.
+DEFAULT_EXPERIMENT: dict[str, Any] = {
+    "model": {"variant": "mlp_t", "hidden_size": 128, "L_layers": 2, "H_cycles": 2, "L_cycles": 2, "halt_max_steps": 4},
+    "data": {"name": "sudoku", "train_puzzles": 4000, "test_puzzles": 200, "augment": 4, "givens": 40},
+    "training": {
+        "global_batch_size": 64,
+        "lr": 1e-3,
+        "warmup_steps": 20,
+        "weight_decay": 0.1,
+        "puzzle_emb_lr": 1e-3,
+        "puzzle_emb_weight_decay": 0.1,
+        "time_budget_s": 180.0,
+        "log_interval": 10,
+        "eval_interval": 200,
+    },
+}
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for section, values in overrides.items():
+        merged.setdefault(section, {}).update(values)
+    return merged
+
+
+def _with_tier_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """Fill threads and loader workers from this machine's tier where the config leaves them unset."""
+    from raytrm.hardware.probe import detect
+    from raytrm.hardware.tiers import match_tier
+
+    training = data.setdefault("training", {})
+    if training.get("threads") is None or training.get("interop_threads") is None:
+        tier = match_tier(detect())
+        training.setdefault("threads", tier.threads)
+        training.setdefault("interop_threads", tier.interop_threads)
+        training.setdefault("dataloader_workers", tier.dataloader_workers)
+        logger.info("tier %s: %s", tier.name, tier.reason)
+    return data
+
+
+def resolve_experiment(
+    *,
+    config_file: str | None,
+    profile_file: str | None,
+    out: str | None,
+    resume: bool,
+    overrides: dict[str, dict[str, Any]],
+) -> tuple[cfg.ExperimentConfig, Path]:
+    """The validated experiment and its run directory for `raytrm train`'s arguments."""
+    if config_file and profile_file:
+        raise UserError("give --config or --profile, not both")
+    if resume:
+        if not out:
+            raise UserError("--resume needs --out RUN_DIR, the run to continue")
+        from raytrm.train.run import CONFIG_FILE, resumable_config
+
+        run_dir = Path(out)
+        base = cfg.to_dict(resumable_config(run_dir))
+        source = str(run_dir / CONFIG_FILE)
+        changed = {s: sorted(v) for s, v in overrides.items() if s != "training" or set(v) - {"steps", "time_budget_s"}}
+        if changed:
+            raise UserError(
+                f"--resume continues {source} as it was; only --steps and --time-budget may change (got {changed})"
+            )
+    elif profile_file:
+        profile = cfg.load_profile(profile_file)
+        base = {k: cfg.to_dict(getattr(profile, k)) for k in ("model", "data", "training")}
+        source = profile_file
+    elif config_file:
+        base = _with_tier_defaults(cfg.to_dict(cfg.load(cfg.ExperimentConfig, config_file)))
+        source = config_file
+    else:
+        base = _with_tier_defaults(copy.deepcopy(DEFAULT_EXPERIMENT))
+        source = "the embedded default"
+    merged = _merge(base, overrides)
+    experiment = cfg.from_dict(cfg.ExperimentConfig, merged, source if not overrides else f"{source} + flags")
+    run_dir = Path(out) if out else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
+    return experiment, run_dir

@@ -1,0 +1,124 @@
+"""What a training run shows and records: metrics.jsonl, a progress line, and process resource samples."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import psutil
+
+
+class MetricsLog:
+    """Appends one JSON line per logging step; on resume, drops the lines past the resumed step."""
+
+    def __init__(self, path: str | Path, resume_step: int | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            self.path.write_text("")
+        elif self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self._file = self.path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(_plain(record)) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line).get("step", math.inf)
+    except ValueError:
+        return math.inf  # a torn last line from a killed run is dropped
+
+
+def _plain(record: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in record.items():
+        if hasattr(value, "item"):
+            value = value.item()
+        if isinstance(value, float):
+            value = round(value, 6) if math.isfinite(value) else None
+        out[key] = value
+    return out
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class ResourceSampler:
+    """Samples this process's resident memory and CPU use; keeps the peak RSS seen."""
+
+    def __init__(self) -> None:
+        self._proc = psutil.Process()
+        self._proc.cpu_percent(None)
+        self.peak_rss = self.rss()
+
+    def rss(self) -> int:
+        return int(self._proc.memory_info().rss)
+
+    def sample(self) -> dict[str, float]:
+        rss = self.rss()
+        self.peak_rss = max(self.peak_rss, rss)
+        return {
+            "rss_mb": rss / 2**20,
+            "peak_rss_mb": self.peak_rss / 2**20,
+            "cpu_percent": self._proc.cpu_percent(None),
+        }
+
+
+class Progress:
+    """One status line: redrawn in place on a terminal, printed every few seconds otherwise."""
+
+    def __init__(
+        self,
+        total: int | None,
+        budget_s: float | None,
+        stream: TextIO = sys.stderr,
+        enabled: bool = True,
+        every_s: float = 10.0,
+    ) -> None:
+        self.total, self.budget_s, self.stream, self.enabled = total, budget_s, stream, enabled
+        self.tty = enabled and stream.isatty()
+        self.every_s = every_s
+        self._last = 0.0
+        self._start = time.perf_counter()
+
+    def update(self, step: int, fields: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if not self.tty and now - self._last < self.every_s:
+            return
+        self._last = now
+        head = f"step {step}/{self.total} {100 * step / self.total:3.0f}%" if self.total else f"step {step}"
+        if self.budget_s:
+            head += f" {now - self._start:.0f}/{self.budget_s:.0f}s"
+        body = " ".join(f"{k} {_fmt(v)}" for k, v in fields.items())
+        line = f"{head} | {body}"
+        if self.tty:
+            self.stream.write("\r" + line[:200].ljust(100))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

@@ -1,0 +1,214 @@
+"""Optimizers TRM needs in plain PyTorch: AdamATan2, SignSGD for the sparse puzzle table, and a weight EMA.
+
+AdamATan2 follows the adam-atan2 package the reference trains with (a CUDA-only kernel): Adam whose update is
+atan2(m, sqrt(v)) instead of m / (sqrt(v) + eps), so it needs no epsilon. SignSGD follows the reference's
+CastedSparseEmbeddingSignSGD: only rows seen since the last step move. ModelEMA follows its EMAHelper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class AdamATan2(torch.optim.Optimizer):
+    """Adam with an atan2 update and decoupled weight decay, no epsilon.
+
+    Per step t: p *= 1 - lr * wd; m = lerp(m, g, 1 - b1); v = b2 v + (1 - b2) g^2;
+    p -= lr / (1 - b1^t) * atan2(m, sqrt(v) / sqrt(1 - b2^t)).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 1e-2,
+    ) -> None:
+        if lr < 0:
+            raise ValueError(f"invalid learning rate {lr}: expected >= 0")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"invalid betas {betas}: expected two values in [0, 1)")
+        if weight_decay < 0:
+            raise ValueError(f"invalid weight_decay {weight_decay}: expected >= 0")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamATan2 does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                t = float(state["step"])
+                m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+                p.mul_(1 - lr * wd)
+                m.lerp_(g, 1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                denom = v.sqrt().div_(math.sqrt(1 - beta2**t))
+                p.add_(torch.atan2(m, denom), alpha=-lr / (1 - beta1**t))
+        return loss
+
+
+class SparseTable(Protocol):
+    """What SignSGD needs of a sparse embedding (raytrm.models.layers.SparseEmbedding)."""
+
+    weight: torch.Tensor
+
+    def sparse_grad(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def clear_grad(self) -> None: ...
+
+
+Gather = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@torch.no_grad()
+def sparse_signsgd_(
+    table: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay: float
+) -> None:
+    """table[r] = table[r] * (1 - lr * wd) - lr * sign(sum of the grads of r), for each distinct id r in ids."""
+    unique, inverse = ids.unique(return_inverse=True)
+    summed = grads.new_zeros(unique.shape[0], grads.shape[1]).index_add_(0, inverse, grads)
+    rows = table[unique]
+    rows.mul_(1 - lr * weight_decay).add_(summed.sign(), alpha=-lr)
+    table[unique] = rows.to(table.dtype)
+
+
+class SignSGD(torch.optim.Optimizer):
+    """SignSGD with decoupled weight decay for sparse embedding tables: only the rows seen since the last step move.
+
+    Gradients of a row repeated in the batch (or over accumulated micro-batches) are summed before the sign, so
+    accumulation gives the same update as one big batch. `step` consumes the gathered rows (they belong to the
+    forwards of this step); `gather`, if given, combines (ids, grads) across workers before the update, e.g. an
+    all-gather, as the reference does.
+    """
+
+    def __init__(
+        self,
+        embeddings: SparseTable | Iterable[SparseTable],
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        gather: Gather | None = None,
+    ) -> None:
+        if lr < 0 or weight_decay < 0:
+            raise ValueError(f"invalid lr {lr} or weight_decay {weight_decay}: expected >= 0")
+        self.embeddings: list[SparseTable] = (
+            [embeddings] if hasattr(embeddings, "sparse_grad") else list(embeddings)  # type: ignore[arg-type]
+        )
+        self.gather = gather
+        groups = [{"params": [e.weight]} for e in self.embeddings]
+        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay})
+
+    @property
+    def lr(self) -> float:
+        return self.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for group in self.param_groups:
+            group["lr"] = value
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, embedding in zip(self.param_groups, self.embeddings, strict=True):
+            seen = embedding.sparse_grad()
+            embedding.clear_grad()
+            if seen is None:
+                continue
+            ids, grads = self.gather(*seen) if self.gather is not None else seen
+            sparse_signsgd_(embedding.weight, ids, grads, group["lr"], group["weight_decay"])
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for embedding in self.embeddings:
+            embedding.clear_grad()
+
+
+class ModelEMA:
+    """Exponential moving average of a model's trainable parameters: shadow = decay * shadow + (1 - decay) * p.
+
+    Buffers (the puzzle table, the initial states) are not averaged, as in the reference. With `warmup`, update n
+    uses min(decay, (1 + n) / (10 + n)): a short run then averages its trained weights instead of keeping ~90% of
+    the initial ones, and after a few thousand steps the decay is the reference's constant.
+    """
+
+    def __init__(self, model: nn.Module, decay: float = 0.999, warmup: bool = False) -> None:
+        self.decay = decay
+        self.warmup = warmup
+        self.updates = 0
+        self.shadow: dict[str, torch.Tensor] = {
+            name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad
+        }
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        """Fold the model's current parameters in; call after each optimizer step."""
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
+        self.updates += 1
+        for name, p in model.named_parameters():
+            if name in self.shadow:
+                self.shadow[name].mul_(decay).add_(p.detach(), alpha=1 - decay)
+
+    @torch.no_grad()
+    def copy_to(self, model: nn.Module) -> None:
+        """Overwrite the model's parameters with the averages."""
+        for name, p in model.named_parameters():
+            if name in self.shadow:
+                p.copy_(self.shadow[name])
+
+    @contextlib.contextmanager
+    def swapped(self, model: nn.Module) -> Iterator[nn.Module]:
+        """Inside the block the model holds the averaged weights (for evaluation); its own come back after."""
+        with torch.no_grad():
+            saved = {name: p.detach().clone() for name, p in model.named_parameters() if name in self.shadow}
+        self.copy_to(model)
+        try:
+            yield model
+        finally:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name in saved:
+                        p.copy_(saved[name])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "decay": self.decay,
+            "warmup": self.warmup,
+            "updates": self.updates,
+            "shadow": {k: v.clone() for k, v in self.shadow.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = set(self.shadow) - set(state["shadow"])
+        if missing:
+            raise KeyError(f"EMA state lacks parameters {sorted(missing)}")
+        self.decay = float(state["decay"])
+        self.warmup = bool(state.get("warmup", False))
+        self.updates = int(state.get("updates", 0))
+        with torch.no_grad():
+            for name, value in state["shadow"].items():
+                if name in self.shadow:
+                    self.shadow[name].copy_(value)

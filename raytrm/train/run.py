@@ -1,0 +1,138 @@
+"""A training run on disk: the resolved config, metrics.jsonl, checkpoints and summary.json in one directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from raytrm import config as cfg
+from raytrm.errors import UserError
+from raytrm.train import checkpoint as ckpt
+from raytrm.train.metrics import MetricsLog, Progress
+from raytrm.train.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, CHECKPOINT_DIR = "config.yaml", "metrics.jsonl", "summary.json", "checkpoints"
+
+
+def resumable_config(run_dir: Path) -> cfg.ExperimentConfig:
+    """The config a run directory was started with; refused with the fix when the directory is not a run."""
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        raise UserError(
+            f"{run_dir}: not a raytrm run directory (no {CONFIG_FILE}); start one with `raytrm train --out {run_dir}`"
+        )
+    return cfg.load(cfg.ExperimentConfig, path)
+
+
+def write_json(data: dict[str, Any], path: Path) -> None:
+    """Write JSON atomically."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def run_training(
+    config: cfg.ExperimentConfig,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = False,
+    trainer_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Train to the config's step count or time budget, recording everything in run_dir; returns the summary."""
+    train = config.training
+    if not train.steps and not train.time_budget_s:
+        raise UserError("training needs a stopping rule; give --steps N or --time-budget SECONDS")
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(config, run_dir, progress=progress, **(trainer_kwargs or {}))
+    resumed_from = None
+    if resume:
+        state = ckpt.latest_good_checkpoint(run_dir / CHECKPOINT_DIR)
+        if state is None:
+            raise UserError(
+                f"{run_dir}: nothing to resume, no checkpoint in {run_dir / CHECKPOINT_DIR}; "
+                "drop --resume to start afresh"
+            )
+        trainer.load_state_dict(state)
+        resumed_from = trainer.step
+        logger.info("resumed %s at step %d", run_dir, trainer.step)
+    cfg.write_yaml(config, run_dir / CONFIG_FILE)
+    log = MetricsLog(run_dir / METRICS_FILE, resume_step=resumed_from)
+    bar = Progress(train.steps, train.time_budget_s, enabled=progress)
+    try:
+        summary = _loop(trainer, log, bar, run_dir)
+    finally:
+        bar.close()
+        log.close()
+        trainer.close()
+    summary["resumed_from_step"] = resumed_from
+    write_json(summary, run_dir / SUMMARY_FILE)
+    return summary
+
+
+def _loop(trainer: Trainer, log: MetricsLog, bar: Progress, run_dir: Path) -> dict[str, Any]:
+    train = trainer.config.training
+    start = time.perf_counter()
+    train_seconds, window_seconds, window_samples = 0.0, 0.0, 0
+    last_eval: dict[str, float] = {}
+
+    def save() -> Path:
+        return ckpt.save_checkpoint(trainer.state_dict(), run_dir / CHECKPOINT_DIR, trainer.step)
+
+    while not (train.steps and trainer.step >= train.steps) and not (
+        train.time_budget_s and time.perf_counter() - start >= train.time_budget_s
+    ):
+        result = trainer.train_step()
+        train_seconds += result.seconds
+        window_seconds += result.seconds
+        window_samples += result.samples
+        if trainer.step % train.log_interval == 0 or trainer.step == train.steps:
+            record = {
+                "step": trainer.step,
+                "samples_per_sec": window_samples / max(window_seconds, 1e-9),
+                "loss": result.loss,
+                **result.metrics,
+                "lr": trainer.current_lr,
+                **trainer.resources.sample(),
+            }
+            window_seconds, window_samples = 0.0, 0
+            if train.eval_interval and trainer.step % train.eval_interval == 0:
+                last_eval = trainer.evaluate()
+                record.update(last_eval)
+            log.write(record)
+            bar.update(
+                trainer.step,
+                {
+                    "samples/s": record["samples_per_sec"],
+                    "loss": result.loss,
+                    "acc": result.metrics.get("accuracy", 0.0),
+                    "rss_mb": record["rss_mb"],
+                },
+            )
+        if train.checkpoint_interval and trainer.step % train.checkpoint_interval == 0:
+            save()
+    final_eval = trainer.evaluate()
+    path = save()
+    peak = trainer.resources.sample()["peak_rss_mb"]
+    return {
+        "steps": trainer.step,
+        "samples_seen": trainer.samples_seen,
+        "wall_seconds": time.perf_counter() - start,
+        "train_seconds": train_seconds,
+        "samples_per_sec": trainer.samples_seen_this_run / max(train_seconds, 1e-9),
+        "peak_rss_mb": peak,
+        **final_eval,
+        "checkpoint": str(path),
+        "device": trainer.device.type,
+        "dtype": str(trainer.dtype).removeprefix("torch."),
+        "threads": trainer.threads,
+    }

@@ -1,0 +1,48 @@
+"""A tiny Sudoku dataset and tiny TRM configs shared by the trainer tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrm import config as cfg
+from raytrm.data.build import build_dataset
+
+
+@pytest.fixture(scope="session")
+def sudoku_dir(tmp_path_factory):
+    return build_dataset(
+        "sudoku", tmp_path_factory.mktemp("data") / "sudoku", count=256, test_count=32, givens=40, seed=7
+    )
+
+
+@pytest.fixture
+def tiny(sudoku_dir):
+    """A config factory: a tiny TRM on the shared dataset, with overrides per section."""
+
+    def make(**sections) -> cfg.ExperimentConfig:
+        data = {
+            "model": {
+                "hidden_size": 32,
+                "L_layers": 1,
+                "H_cycles": 2,
+                "L_cycles": 2,
+                "halt_max_steps": 3,
+                "halt_exploration_prob": 0.5,
+            },
+            "data": {"path": str(sudoku_dir)},
+            "training": {
+                "global_batch_size": 32,
+                "lr": 3e-3,
+                "warmup_steps": 2,
+                "weight_decay": 0.1,
+                "puzzle_emb_lr": 1e-2,
+                "threads": 1,
+                "log_interval": 1,
+                "seed": 3,
+            },
+        }
+        for section, values in sections.items():
+            data[section].update(values)
+        return cfg.from_dict(cfg.ExperimentConfig, data)
+
+    return make

@@ -1,0 +1,121 @@
+"""The Trainer's invariants: accumulation changes how a batch is cut, never the update; resume is exact."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from raytrm import config as cfg
+from raytrm.train import checkpoint as ckpt
+from raytrm.train.metrics import read_metrics
+from raytrm.train.run import run_training
+from raytrm.train.trainer import Trainer
+
+TIMING_FIELDS = {"samples_per_sec", "rss_mb", "peak_rss_mb", "cpu_percent"}
+
+
+def params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def assert_close_dicts(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def grads(trainer: Trainer) -> dict[str, torch.Tensor]:
+    out = {k: p.grad.clone() for k, p in trainer.model.named_parameters()}
+    ids, rows = trainer.model.puzzle_emb.sparse_grad()
+    out["puzzle_emb"] = torch.zeros_like(trainer.model.puzzle_emb.weight).index_add_(0, ids, rows)
+    return out
+
+
+def test_accumulation_gives_the_same_update_carry_included(tiny):
+    lr = 3e-3
+    whole = Trainer(tiny(training={"global_batch_size": 32, "grad_accum_steps": 1, "lr": lr}))
+    parts = Trainer(tiny(training={"global_batch_size": 32, "grad_accum_steps": 4, "lr": lr}))
+    assert (whole.micro_batch, parts.micro_batch) == (32, 8)
+    for _ in range(4):  # several steps, so halted slots are refilled from later batches
+        loss_a, metrics_a = whole.forward_backward()
+        loss_b, metrics_b = parts.forward_backward()
+        assert abs(loss_a - loss_b) < 1e-5 * max(1.0, abs(loss_a))
+        assert metrics_a == pytest.approx(metrics_b, rel=1e-5)
+        # The gradient itself, before Adam: Adam and SignSGD are blind to a loss scale, the gradient is not.
+        ga, gb = grads(whole), grads(parts)
+        for key in ga:
+            scale = float(ga[key].abs().max())
+            torch.testing.assert_close(ga[key], gb[key], rtol=1e-4, atol=1e-5 * scale, msg=lambda m, k=key: f"{k}: {m}")
+        whole.optimizer_step()
+        parts.optimizer_step()
+    # Adam moves a weight by at most about lr a step; where v is ~0 it amplifies rounding, so compare on that scale.
+    assert_close_dicts(params(whole), params(parts), rtol=0, atol=1e-2 * lr)
+    joined = type(whole.carries[0]).cat(parts.carries).to_dict()
+    for key, value in whole.carries[0].to_dict().items():
+        if value.is_floating_point():  # states of O(1) after weights that differ by rounding
+            torch.testing.assert_close(value, joined[key], rtol=0, atol=1e-4)
+        else:  # which example each slot holds, its step count and halting: exactly the same
+            assert torch.equal(value, joined[key]), key
+    assert_close_dicts(whole.ema.state_dict()["shadow"], parts.ema.state_dict()["shadow"], rtol=0, atol=1e-2 * lr)
+
+
+def _strip(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
+
+
+def test_resume_is_exact(tiny, tmp_path):
+    straight = run_training(tiny(training={"steps": 6}), tmp_path / "straight")
+    run_training(tiny(training={"steps": 3}), tmp_path / "split")
+    resumed = run_training(tiny(training={"steps": 6}), tmp_path / "split", resume=True)
+    assert resumed["resumed_from_step"] == 3
+    a = ckpt.latest_good_checkpoint(tmp_path / "straight" / "checkpoints")
+    b = ckpt.latest_good_checkpoint(tmp_path / "split" / "checkpoints")
+    assert a["step"] == b["step"] == 6
+    assert_close_dicts(a["model"], b["model"], rtol=0, atol=0)
+    assert_close_dicts(a["ema"]["shadow"], b["ema"]["shadow"], rtol=0, atol=0)
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(), strict=True):
+        assert_close_dicts(sa, sb, rtol=0, atol=0)
+    for ca, cb in zip(a["carries"], b["carries"], strict=True):
+        assert_close_dicts(ca, cb, rtol=0, atol=0)
+    assert _strip(read_metrics(tmp_path / "straight" / "metrics.jsonl")) == _strip(
+        read_metrics(tmp_path / "split" / "metrics.jsonl")
+    )
+    assert straight["eval_cell_acc"] == resumed["eval_cell_acc"]
+
+
+def test_kill_during_a_checkpoint_write_then_resume(tiny, tmp_path):
+    config = tiny(training={"steps": 6, "checkpoint_interval": 2})
+    run_dir = tmp_path / "killed"
+    run_training(tiny(training={"steps": 6, "checkpoint_interval": 2}), tmp_path / "reference")
+    config_file = cfg.write_yaml(config, tmp_path / "config.yaml")
+    # A child trains and is killed while it writes its second checkpoint (step 4).
+    script = textwrap.dedent(f"""
+        import os, time
+        from raytrm import config as cfg
+        from raytrm.train.run import run_training
+        real_fsync, calls = os.fsync, []
+        def fsync(fd):
+            calls.append(fd)
+            if len(calls) == 3:  # the second checkpoint's payload: the first one cost a file and a directory fsync
+                print("writing", flush=True)
+                time.sleep(60)
+            real_fsync(fd)
+        os.fsync = fsync
+        run_training(cfg.load(cfg.ExperimentConfig, {str(config_file)!r}), {str(run_dir)!r})
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "writing"
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert [p.name for p in ckpt.list_checkpoints(run_dir / "checkpoints")] == ["step-00000002.ckpt"]
+    resumed = run_training(config, run_dir, resume=True)
+    assert resumed["resumed_from_step"] == 2
+    a = ckpt.latest_good_checkpoint(tmp_path / "reference" / "checkpoints")
+    b = ckpt.latest_good_checkpoint(run_dir / "checkpoints")
+    assert_close_dicts(a["model"], b["model"], rtol=0, atol=0)
