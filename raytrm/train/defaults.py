@@ -19,14 +19,14 @@ logger = logging.getLogger(__name__)
 
 #: The embedded default of `raytrm train`: small enough for a laptop's CPU, large enough to learn Sudoku rules.
 DEFAULT_EXPERIMENT: dict[str, Any] = {
-    "model": {"variant": "mlp_t", "hidden_size": 128, "L_layers": 2, "H_cycles": 2, "L_cycles": 2, "halt_max_steps": 4},
+    "model": {"variant": "mlp_t", "hidden_size": 64, "L_layers": 2, "H_cycles": 2, "L_cycles": 2, "halt_max_steps": 2},
     "data": {"name": "sudoku", "train_puzzles": 4000, "test_puzzles": 200, "augment": 4, "givens": 40},
     "training": {
         "global_batch_size": 64,
-        "lr": 1e-3,
+        "lr": 3e-3,
         "warmup_steps": 20,
         "weight_decay": 0.1,
-        "puzzle_emb_lr": 1e-3,
+        "puzzle_emb_lr": 1e-2,
         "puzzle_emb_weight_decay": 0.1,
         "time_budget_s": 180.0,
         "log_interval": 10,

@@ -84,6 +84,7 @@ def _loop(trainer: Trainer, log: MetricsLog, bar: Progress, run_dir: Path) -> di
     start = time.perf_counter()
     train_seconds, window_seconds, window_samples = 0.0, 0.0, 0
     last_eval: dict[str, float] = {}
+    last_accuracy = None  # of the latest step in which some sequence halted
 
     def save() -> Path:
         return ckpt.save_checkpoint(trainer.state_dict(), run_dir / CHECKPOINT_DIR, trainer.step)
@@ -95,6 +96,8 @@ def _loop(trainer: Trainer, log: MetricsLog, bar: Progress, run_dir: Path) -> di
         train_seconds += result.seconds
         window_seconds += result.seconds
         window_samples += result.samples
+        if result.metrics.get("accuracy") is not None:
+            last_accuracy = result.metrics["accuracy"]
         if trainer.step % train.log_interval == 0 or trainer.step == train.steps:
             record = {
                 "step": trainer.step,
@@ -114,7 +117,7 @@ def _loop(trainer: Trainer, log: MetricsLog, bar: Progress, run_dir: Path) -> di
                 {
                     "samples/s": record["samples_per_sec"],
                     "loss": result.loss,
-                    "acc": result.metrics.get("accuracy", 0.0),
+                    "acc": last_accuracy if last_accuracy is not None else "-",
                     "rss_mb": record["rss_mb"],
                 },
             )

@@ -36,7 +36,7 @@ class StepResult:
 
     step: int
     loss: float
-    metrics: dict[str, float]
+    metrics: dict[str, float | None]
     seconds: float
     samples: int
 
@@ -133,7 +133,7 @@ class Trainer:
         devices.synchronize(self.device)
         return StepResult(self.step, loss, metrics, time.perf_counter() - start, self.global_batch)
 
-    def forward_backward(self, batch: dict[str, torch.Tensor] | None = None) -> tuple[float, dict[str, float]]:
+    def forward_backward(self, batch: dict[str, torch.Tensor] | None = None) -> tuple[float, dict[str, float | None]]:
         """Accumulate the gradient of one global batch, cut into micro-batches; each slot keeps its own carry.
 
         Every micro-batch's loss is divided by the global batch size, so the accumulated gradient is the gradient
@@ -166,7 +166,7 @@ class Trainer:
             loss_sum += float(loss.detach())
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
-        return loss_sum, _rates(totals)
+        return loss_sum, _rates(totals, self.global_batch)
 
     def optimizer_step(self) -> None:
         """Apply the accumulated gradient: main optimizer, SignSGD on the puzzle embedding, then the EMA."""
@@ -278,11 +278,19 @@ class Trainer:
         self._batches = None  # restart the batch stream at the resumed step
 
 
-def _rates(totals: dict[str, float]) -> dict[str, float]:
-    """Turn the loss head's summed counts into rates over the global batch."""
-    count = max(1.0, totals.get("count", 0.0))
-    out = {k: v / count for k, v in totals.items() if k != "count"}
-    out["count"] = totals.get("count", 0.0)
+#: Loss-head metrics that are sums over the sequences that halted this step (the reference's convention).
+HALTED_RATES = ("accuracy", "exact_accuracy", "q_halt_accuracy", "steps")
+
+
+def _rates(totals: dict[str, float], batch_size: int) -> dict[str, float | None]:
+    """Turn the loss head's sums into rates: per halted sequence (None when none halted), losses per sample."""
+    halted = totals.get("count", 0.0)
+    out: dict[str, float | None] = {"halted": halted}
+    for key, value in totals.items():
+        if key in HALTED_RATES:
+            out[key] = value / halted if halted else None
+        elif key != "count":
+            out[key] = value / batch_size
     return out
 
 
