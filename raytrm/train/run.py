@@ -12,6 +12,7 @@ from typing import Any
 
 from raytrm import config as cfg
 from raytrm.errors import UserError
+from raytrm.hardware.thermal import ThermalReader
 from raytrm.train import checkpoint as ckpt
 from raytrm.train.metrics import MetricsLog, Progress
 from raytrm.train.trainer import Trainer
@@ -85,6 +86,7 @@ def _loop(trainer: Trainer, log: MetricsLog, bar: Progress, run_dir: Path) -> di
     train_seconds, window_seconds, window_samples = 0.0, 0.0, 0
     last_eval: dict[str, float] = {}
     last_accuracy = None  # of the latest step in which some sequence halted
+    thermal = ThermalReader()
 
     def save() -> Path:
         return ckpt.save_checkpoint(trainer.state_dict(), run_dir / CHECKPOINT_DIR, trainer.step)
@@ -106,6 +108,7 @@ def _loop(trainer: Trainer, log: MetricsLog, bar: Progress, run_dir: Path) -> di
                 **result.metrics,
                 "lr": trainer.current_lr,
                 **trainer.resources.sample(),
+                **thermal.read(),
             }
             window_seconds, window_samples = 0.0, 0
             if train.eval_interval and trainer.step % train.eval_interval == 0:
