@@ -61,6 +61,11 @@ class Carry:
         """The carry of some slots (a micro-batch's share of a global carry)."""
         return Carry(**{k: v[index] for k, v in self.to_dict().items()})
 
+    def assign_(self, index: slice, other: Carry) -> None:
+        """Write other's slots into this carry's slots at index, in place."""
+        for f in dataclasses.fields(self):
+            getattr(self, f.name)[index] = getattr(other, f.name)
+
     @classmethod
     def cat(cls, carries: Sequence[Carry]) -> Carry:
         """Slots of several carries, in order: the inverse of slicing."""

@@ -9,6 +9,7 @@ needs, `close` releases files. Ray code wraps a Trainer; it never reaches into i
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -23,6 +24,7 @@ from raytrm.data.loader import global_batches
 from raytrm.hardware import device as devices
 from raytrm.models.losses import act_loss
 from raytrm.models.trm import TRM, Carry, Exploration
+from raytrm.train.memory import cut
 from raytrm.train.metrics import ResourceSampler
 from raytrm.train.optim import AdamATan2, ModelEMA, SignSGD
 from raytrm.train.threads import apply_threads
@@ -90,9 +92,10 @@ class Trainer:
         self.explore_rng = torch.Generator().manual_seed(train.seed + 1)
 
         self.global_batch = train.global_batch_size
-        self.micro_batch = train.micro_batch
-        self.accum = self.global_batch // self.micro_batch
-        self.carries: list[Carry] | None = None
+        self.cuts = cut(self.global_batch, train.micro_batch)
+        # One carry for all slots of the global batch; micro-batches read and write their slice of it, so the cut
+        # can change between steps without touching any slot's state.
+        self.carry: Carry | None = None
         self.step = 0
         self.samples_seen = 0
         self.samples_seen_this_run = 0
@@ -150,23 +153,36 @@ class Trainer:
             generator=self.explore_rng,
             device=self.device,
         )
-        if self.carries is None:
-            full = self.model.initial_carry(batch)
-            self.carries = [full[i * self.micro_batch : (i + 1) * self.micro_batch] for i in range(self.accum)]
+        if self.carry is None:
+            self.carry = self.model.initial_carry(batch)
         self.model.train()
         totals: dict[str, float] = {}
         loss_sum = 0.0
-        for i in range(self.accum):
-            part = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
+        for part in self.slices():
             micro = {k: v[part] for k, v in batch.items()}
-            carry, outputs = self.model(self.carries[i], micro, exploration[part])
+            carry, outputs = self.model(self.carry[part], micro, exploration[part])
             loss, metrics = act_loss(outputs, carry, global_batch_size=self.global_batch, compute_dtype=self.loss_dtype)
             loss.backward()
-            self.carries[i] = carry
+            self.carry.assign_(part, carry)
             loss_sum += float(loss.detach())
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
         return loss_sum, _rates(totals, self.global_batch)
+
+    @property
+    def micro_batch(self) -> int:
+        """The largest micro-batch of the current cut."""
+        return max(self.cuts)
+
+    def slices(self) -> list[slice]:
+        """The global batch's micro-batches, as slices of its slots."""
+        bounds = [0, *itertools.accumulate(self.cuts)]
+        return [slice(a, b) for a, b in itertools.pairwise(bounds)]
+
+    def set_micro_batch(self, micro_batch: int) -> list[int]:
+        """Re-cut the global batch into micro-batches of at most micro_batch; samples and gradient are unchanged."""
+        self.cuts = cut(self.global_batch, micro_batch)
+        return self.cuts
 
     def optimizer_step(self) -> None:
         """Apply the accumulated gradient: main optimizer, SignSGD on the puzzle embedding, then the EMA."""
@@ -242,13 +258,14 @@ class Trainer:
     # -- state -----------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs: model, optimizers, EMA, carries, step, RNG states, data position, config."""
+        """Everything a resume needs: model, optimizers, EMA, carry, step, RNG states, data position, config."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "sparse_optimizer": self.sparse_optimizer.state_dict() if self.sparse_optimizer else None,
             "ema": self.ema.state_dict() if self.ema else None,
-            "carries": [c.to_dict() for c in self.carries] if self.carries else None,
+            "carry": self.carry.to_dict() if self.carry is not None else None,
+            "cuts": list(self.cuts),
             "step": self.step,
             "samples_seen": self.samples_seen,
             "rng": {"torch": torch.get_rng_state(), "explore": self.explore_rng.get_state()},
@@ -270,7 +287,8 @@ class Trainer:
             self.sparse_optimizer.load_state_dict(state["sparse_optimizer"])
         if self.ema and state["ema"]:
             self.ema.load_state_dict(state["ema"])
-        self.carries = [Carry.from_dict(c).to(self.device) for c in state["carries"]] if state["carries"] else None
+        self.carry = Carry.from_dict(state["carry"]).to(self.device) if state["carry"] is not None else None
+        self.cuts = [int(c) for c in state["cuts"]]
         self.step = int(state["step"])
         self.samples_seen = int(state["samples_seen"])
         torch.set_rng_state(state["rng"]["torch"])
