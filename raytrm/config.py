@@ -119,6 +119,9 @@ class TrainConfig:
     threads: int | None = spec(None, "torch intra-op threads; None = the tier's default", ge=1)
     interop_threads: int | None = spec(None, "torch inter-op threads; None = the tier's default", ge=1)
     dataloader_workers: int = spec(0, "data loader worker processes", ge=0)
+    memory_budget_mb: int | None = spec(
+        None, "training memory budget in MiB: the micro-batch adapts to stay under it; None = no adaptation", ge=64
+    )
     optimizer: str = spec("adamw", "optimizer of the network weights", choices=("adamw", "adam_atan2"))
     lr: float = spec(1e-4, "peak learning rate", gt=0)
     betas: list = spec([0.9, 0.95], "Adam betas [beta1, beta2]")

@@ -111,6 +111,16 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def empty_cache(device: torch.device) -> None:
+    """Return cached allocator blocks to the device after an out-of-memory error."""
+    import torch
+
+    if device.type == CUDA:
+        torch.cuda.empty_cache()
+    elif device.type == MPS:
+        torch.mps.empty_cache()
+
+
 def accelerator_memory(kind: str) -> dict[str, int]:
     """Device memory facts: total (CUDA) or the recommended working set (MPS); empty on CPU."""
     import torch

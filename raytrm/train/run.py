@@ -12,9 +12,12 @@ from typing import Any
 
 from raytrm import config as cfg
 from raytrm.errors import UserError
+from raytrm.hardware.pressure import MemoryReader
 from raytrm.hardware.thermal import ThermalReader
 from raytrm.train import checkpoint as ckpt
+from raytrm.train.adaptive import GovernorSettings, MemoryGovernor
 from raytrm.train.metrics import MetricsLog, Progress
+from raytrm.train.peak import PeakMemory
 from raytrm.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -47,14 +50,21 @@ def run_training(
     resume: bool = False,
     progress: bool = False,
     trainer_kwargs: dict[str, Any] | None = None,
+    memory_reader: MemoryReader | None = None,
+    thermal_reader: ThermalReader | None = None,
+    governor_settings: GovernorSettings | None = None,
 ) -> dict[str, Any]:
-    """Train to the config's step count or time budget, recording everything in run_dir; returns the summary."""
+    """Train to the config's step count or time budget, recording everything in run_dir; returns the summary.
+
+    The readers and governor settings are injectable so tests can script pressure, heat and thresholds.
+    """
     train = config.training
     if not train.steps and not train.time_budget_s:
         raise UserError("training needs a stopping rule; give --steps N or --time-budget SECONDS")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(config, run_dir, progress=progress, **(trainer_kwargs or {}))
+    governor = _governor(trainer, governor_settings)
     resumed_from = None
     if resume:
         state = ckpt.latest_good_checkpoint(run_dir / CHECKPOINT_DIR)
@@ -64,13 +74,16 @@ def run_training(
                 "drop --resume to start afresh"
             )
         trainer.load_state_dict(state)
+        if governor is not None and state.get("memory_governor"):
+            governor.load_state_dict(state["memory_governor"])
         resumed_from = trainer.step
         logger.info("resumed %s at step %d", run_dir, trainer.step)
     cfg.write_yaml(config, run_dir / CONFIG_FILE)
     log = MetricsLog(run_dir / METRICS_FILE, resume_step=resumed_from)
     bar = Progress(train.steps, train.time_budget_s, enabled=progress)
     try:
-        summary = _loop(trainer, log, bar, run_dir)
+        readers = (memory_reader or MemoryReader(device=trainer.device), thermal_reader or ThermalReader())
+        summary = _loop(trainer, governor, log, bar, run_dir, *readers)
     finally:
         bar.close()
         log.close()
@@ -80,21 +93,56 @@ def run_training(
     return summary
 
 
-def _loop(trainer: Trainer, log: MetricsLog, bar: Progress, run_dir: Path) -> dict[str, Any]:
+def _governor(trainer: Trainer, settings: GovernorSettings | None) -> MemoryGovernor | None:
+    """A memory governor when the config sets a budget; it starts the run at its first probe cut."""
+    train = trainer.config.training
+    if not train.memory_budget_mb:
+        return None
+    governor = MemoryGovernor(
+        budget_bytes=train.memory_budget_mb * 2**20,
+        global_batch=train.global_batch_size,
+        max_micro_batch=train.micro_batch_size or train.global_batch_size,
+        settings=settings or GovernorSettings(),
+    )
+    trainer.set_micro_batch(governor.micro_batch)
+    return governor
+
+
+def _loop(
+    trainer: Trainer,
+    governor: MemoryGovernor | None,
+    log: MetricsLog,
+    bar: Progress,
+    run_dir: Path,
+    memory: MemoryReader,
+    thermal: ThermalReader,
+) -> dict[str, Any]:
     train = trainer.config.training
     start = time.perf_counter()
     train_seconds, window_seconds, window_samples = 0.0, 0.0, 0
     last_eval: dict[str, float] = {}
     last_accuracy = None  # of the latest step in which some sequence halted
-    thermal = ThermalReader()
+    step_peak, peak_method = 0, ""
 
     def save() -> Path:
-        return ckpt.save_checkpoint(trainer.state_dict(), run_dir / CHECKPOINT_DIR, trainer.step)
+        state = trainer.state_dict()
+        if governor is not None:
+            state["memory_governor"] = governor.state_dict()
+        return ckpt.save_checkpoint(state, run_dir / CHECKPOINT_DIR, trainer.step)
 
     while not (train.steps and trainer.step >= train.steps) and not (
         train.time_budget_s and time.perf_counter() - start >= train.time_budget_s
     ):
-        result = trainer.train_step()
+        seen = len(governor.events) if governor is not None else 0
+        with PeakMemory(trainer.device.type) as peak:
+            result = trainer.train_step(on_out_of_memory=governor.on_out_of_memory if governor else None)
+        step_peak, peak_method = max(step_peak, peak.bytes), peak.method
+        if governor is not None:
+            micro = governor.after_step(trainer.step, peak.bytes, memory.read().pressure)
+            if micro != trainer.micro_batch:
+                trainer.set_micro_batch(micro)
+            for event in governor.events[seen:]:
+                log.write(event)
         train_seconds += result.seconds
         window_seconds += result.seconds
         window_samples += result.samples
@@ -128,14 +176,18 @@ def _loop(trainer: Trainer, log: MetricsLog, bar: Progress, run_dir: Path) -> di
             save()
     final_eval = trainer.evaluate()
     path = save()
-    peak = trainer.resources.sample()["peak_rss_mb"]
+    peak_rss = trainer.resources.sample()["peak_rss_mb"]
     return {
         "steps": trainer.step,
         "samples_seen": trainer.samples_seen,
         "wall_seconds": time.perf_counter() - start,
         "train_seconds": train_seconds,
         "samples_per_sec": trainer.samples_seen_this_run / max(train_seconds, 1e-9),
-        "peak_rss_mb": peak,
+        "peak_rss_mb": peak_rss,
+        "peak_step_mb": step_peak / 2**20,
+        "peak_method": peak_method,
+        "micro_batches": list(trainer.cuts),
+        "memory": governor.summary(trainer.micro_batch) if governor is not None else None,
         **final_eval,
         "checkpoint": str(path),
         "device": trainer.device.type,

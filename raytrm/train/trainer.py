@@ -13,6 +13,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from raytrm.models.losses import act_loss
 from raytrm.models.trm import TRM, Carry, Exploration
 from raytrm.train.memory import cut
 from raytrm.train.metrics import ResourceSampler
+from raytrm.train.oom import is_out_of_memory
 from raytrm.train.optim import AdamATan2, ModelEMA, SignSGD
 from raytrm.train.threads import apply_threads
 
@@ -128,15 +130,24 @@ class Trainer:
 
     # -- one optimizer step ----------------------------------------------------------------------------------------
 
-    def train_step(self, batch: dict[str, torch.Tensor] | None = None) -> StepResult:
-        """One optimizer step over one global batch: forward_backward, then optimizer_step."""
+    def train_step(
+        self, batch: dict[str, torch.Tensor] | None = None, on_out_of_memory: Callable[[int], int] | None = None
+    ) -> StepResult:
+        """One optimizer step over one global batch: forward_backward, then optimizer_step.
+
+        If the allocator raises out-of-memory (CUDA, MPS) and on_out_of_memory is given, it is told the step and
+        returns a smaller micro-batch; the same samples with the same exploration draws are redone from the same
+        carry, so nothing is lost or doubled.
+        """
         start = time.perf_counter()
-        loss, metrics = self.forward_backward(batch)
+        loss, metrics = self.forward_backward(batch, on_out_of_memory=on_out_of_memory)
         self.optimizer_step()
         devices.synchronize(self.device)
         return StepResult(self.step, loss, metrics, time.perf_counter() - start, self.global_batch)
 
-    def forward_backward(self, batch: dict[str, torch.Tensor] | None = None) -> tuple[float, dict[str, float | None]]:
+    def forward_backward(
+        self, batch: dict[str, torch.Tensor] | None = None, on_out_of_memory: Callable[[int], int] | None = None
+    ) -> tuple[float, dict[str, float | None]]:
         """Accumulate the gradient of one global batch, cut into micro-batches; each slot keeps its own carry.
 
         Every micro-batch's loss is divided by the global batch size, so the accumulated gradient is the gradient
@@ -145,7 +156,7 @@ class Trainer:
         batch = self._next_global_batch() if batch is None else batch
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         model_cfg = self.config.model
-        # Drawn for the whole global batch, then sliced: the draws do not depend on the cut.
+        # Drawn for the whole global batch, then sliced: the draws do not depend on the cut (nor on a redo).
         exploration = Exploration.draw(
             self.global_batch,
             model_cfg.halt_exploration_prob,
@@ -155,6 +166,19 @@ class Trainer:
         )
         if self.carry is None:
             self.carry = self.model.initial_carry(batch)
+        # Only allocators that raise need a copy to redo from; on the CPU nothing raises, so nothing is copied.
+        saved = Carry.from_dict({k: v.clone() for k, v in self.carry.to_dict().items()}) if on_out_of_memory else None
+        while True:
+            try:
+                return self._accumulate(batch, exploration)
+            except Exception as error:
+                if saved is None or not is_out_of_memory(error):
+                    raise
+                self._discard_partial_step(saved)
+                self.set_micro_batch(on_out_of_memory(self.step))
+
+    def _accumulate(self, batch: dict[str, torch.Tensor], exploration: Exploration) -> tuple[float, dict]:
+        assert self.carry is not None
         self.model.train()
         totals: dict[str, float] = {}
         loss_sum = 0.0
@@ -168,6 +192,14 @@ class Trainer:
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
         return loss_sum, _rates(totals, self.global_batch)
+
+    def _discard_partial_step(self, saved: Carry) -> None:
+        """Forget the gradient and carry updates of a step that failed part-way."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.sparse_optimizer is not None:
+            self.sparse_optimizer.zero_grad()
+        self.carry = saved
+        devices.empty_cache(self.device)
 
     @property
     def micro_batch(self) -> int:

@@ -1,0 +1,186 @@
+"""Memory-adaptive batching: choose the micro-batch from measured peaks, shrink under pressure, grow back.
+
+The governor only decides how a global batch is cut; the trainer guarantees the cut never changes the samples or
+the gradient (DESIGN.md invariant 1). It probes on real training steps, smallest cut first, because a re-cut step is
+as good as any other: nothing is spent on probing. Decisions are pure functions of what it is told (step peaks,
+pressure, out-of-memory errors), so tests script them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from raytrm.train.memory import MemoryFit, fit
+
+logger = logging.getLogger(__name__)
+
+MiB = 2**20
+
+
+@dataclass
+class GovernorSettings:
+    """Thresholds of the governor, as fractions of the budget."""
+
+    margin: float = 0.10  # the chosen micro-batch's predicted peak stays under (1 - margin) x budget
+    high_water: float = 0.95  # a measured peak above this shrinks the micro-batch at the next step
+    low_water: float = 0.70  # peaks below this for grow_after steps let it grow back towards the target
+    grow_after: int = 20
+    probe_steps: int = 3  # steps measured at increasing cuts before the fit (the first one is warm-up)
+
+
+@dataclass
+class MemoryGovernor:
+    """Decides the micro-batch of each step under a memory budget."""
+
+    budget_bytes: int
+    global_batch: int
+    max_micro_batch: int
+    settings: GovernorSettings = field(default_factory=GovernorSettings)
+    events: list[dict] = field(default_factory=list)
+    fit: MemoryFit | None = None
+    target: int | None = None
+    peak_bytes: int = 0
+    _points: list[tuple[int, int]] = field(default_factory=list)
+    _probe: list[int] = field(default_factory=list)
+    _calm_steps: int = 0
+    _current: int = 0
+
+    def __post_init__(self) -> None:
+        top = min(self.max_micro_batch, self.global_batch)
+        # Small, increasing probe cuts: the first step warms up at the smallest (one-time allocations land there).
+        first = max(1, min(4, top // 8 or 1))
+        self._probe = sorted({first, min(top, 2 * first), min(top, 4 * first)})
+        while len(self._probe) < self.settings.probe_steps:
+            self._probe.insert(0, self._probe[0])
+        self._current = self._probe[0]
+
+    @property
+    def micro_batch(self) -> int:
+        return self._current
+
+    def _event(self, step: int, kind: str, new: int, reason: str) -> None:
+        event = {
+            "step": step,
+            "event": kind,
+            "micro_batch_from": self._current,
+            "micro_batch_to": new,
+            "reason": reason,
+        }
+        self.events.append(event)
+        logger.info("step %d: %s micro-batch %d -> %d: %s", step, kind, self._current, new, reason)
+        self._current = new
+
+    def after_step(self, step: int, peak_bytes: int, pressure: str | None = None) -> int:
+        """Record a step's measured peak (and the system's pressure); returns the micro-batch for the next step."""
+        self.peak_bytes = max(self.peak_bytes, peak_bytes)
+        self._points.append((self._current, peak_bytes))
+        if self._probe:
+            self._probe.pop(0)
+            if self._probe:
+                self._current = self._probe[0]
+                return self._current
+            return self._choose(step)
+        budget = self.budget_bytes
+        if peak_bytes > self.settings.high_water * budget or pressure in ("warn", "critical"):
+            why = (
+                f"pressure {pressure}"
+                if pressure in ("warn", "critical")
+                else f"peak {peak_bytes / MiB:.0f} MiB above {self.settings.high_water:.0%} of the budget"
+            )
+            self._refit()
+            if pressure in ("warn", "critical"):
+                # The system, not this step, is short of memory: shed a real share of the activations.
+                share = 2 if pressure == "critical" else 3  # keep half, or three quarters
+                smaller = max(1, min(self._current - 1, self._current * share // 4))
+            else:
+                smaller = max(1, min(self._current - 1, self._fitting(self.settings.margin)))
+                self.target = smaller  # the fit promised more than this machine gives: aim lower from now on
+            if smaller < self._current:
+                self._event(step, "shrink", smaller, why)
+            self._calm_steps = 0
+        elif peak_bytes < self.settings.low_water * budget and self.target and self._current < self.target:
+            self._calm_steps += 1
+            if self._calm_steps >= self.settings.grow_after:
+                self._event(
+                    step,
+                    "grow",
+                    self.target,
+                    f"peaks under {self.settings.low_water:.0%} of the budget for {self._calm_steps} steps",
+                )
+                self._calm_steps = 0
+        else:
+            self._calm_steps = 0
+        return self._current
+
+    def on_out_of_memory(self, step: int) -> int:
+        """An allocator refused a step (CUDA, MPS): halve the micro-batch for the redo of the same samples."""
+        if self._current <= 1:
+            raise MemoryError("out of memory at micro-batch 1: the model does not fit this device")
+        self._probe.clear()
+        self.target = max(1, self._current // 2)
+        self._event(step, "out-of-memory", self.target, "the allocator raised out-of-memory; the step is redone")
+        return self._current
+
+    def _refit(self) -> None:
+        # The newest point per micro-batch: old peaks at a size predate what the process holds now.
+        latest = dict(self._points)
+        self.fit = fit(sorted(latest.items()))
+
+    def _fitting(self, margin: float) -> int:
+        assert self.fit is not None
+        return self.fit.largest_micro_batch(self.budget_bytes, margin=margin, limit=self.max_micro_batch)
+
+    def _choose(self, step: int) -> int:
+        points = self._points[1:] if len(self._points) > 2 else self._points  # drop the warm-up step
+        self.fit = fit(points)
+        predicted_fixed = self.fit.fixed_bytes
+        if predicted_fixed > (1 - self.settings.margin) * self.budget_bytes:
+            from raytrm.errors import UserError
+
+            raise UserError(
+                f"memory budget {self.budget_bytes / MiB:.0f} MiB is below what training needs before any sample "
+                f"({predicted_fixed / MiB:.0f} MiB measured); raise --memory-budget-mb or shrink the model"
+            )
+        self.target = min(self._fitting(self.settings.margin), self.global_batch)
+        self._event(
+            step,
+            "choose",
+            self.target,
+            f"fit {self.fit.fixed_bytes / MiB:.0f} MiB + {self.fit.per_sample_bytes / MiB:.2f} MiB/sample "
+            f"predicts {self.fit.predict(self.target) / MiB:.0f} MiB of {self.budget_bytes / MiB:.0f} MiB",
+        )
+        return self._current
+
+    def state_dict(self) -> dict[str, object]:
+        """What a resumed run needs to cut its steps exactly as the uninterrupted run would."""
+        return {
+            "current": self._current,
+            "target": self.target,
+            "points": list(self._points),
+            "probe": list(self._probe),
+            "calm_steps": self._calm_steps,
+            "peak_bytes": self.peak_bytes,
+            "events": list(self.events),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._current, self.target = int(state["current"]), state["target"]
+        self._points = [(int(b), int(p)) for b, p in state["points"]]
+        self._probe = [int(b) for b in state["probe"]]
+        self._calm_steps, self.peak_bytes = int(state["calm_steps"]), int(state["peak_bytes"])
+        self.events = list(state["events"])
+        if self._points and not self._probe:
+            self._refit()
+
+    def summary(self, micro_batch: int | None = None) -> dict[str, object]:
+        """Budget, the fit, the predicted peak at the micro-batch in use and the measured peak, every adaptation."""
+        micro = micro_batch or self._current
+        return {
+            "memory_budget_mb": self.budget_bytes / MiB,
+            "micro_batch": micro,
+            "predicted_peak_mb": self.fit.predict(micro) / MiB if self.fit else None,
+            "measured_peak_mb": self.peak_bytes / MiB,
+            "fit": self.fit.to_dict() if self.fit else None,
+            "adaptations": list(self.events),
+        }
