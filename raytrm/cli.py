@@ -57,6 +57,8 @@ TRAIN_FLAGS = {
     "--grad-accum": ("training", "grad_accum_steps", int, "micro-batches per optimizer step"),
     "--lr": ("training", "lr", float, "peak learning rate"),
     "--threads": ("training", "threads", int, "torch intra-op threads"),
+    "--memory-budget-mb": ("training", "memory_budget_mb", int, "memory budget in MiB (default: the tier's)"),
+    "--thermal-cap": ("training", "thermal_cap", str, "nominal, fair or serious (default: the tier's)"),
     "--device": ("training", "device", str, "auto, cpu, cuda or mps"),
     "--dtype": ("training", "dtype", str, "auto, float32, bfloat16 or float16"),
     "--seed": ("training", "seed", int, "seed of weights, data order and exploration"),
@@ -167,6 +169,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             Path(work),
             repeats=args.repeats,
             dtype=args.dtype,
+            reference=Path(args.reference) if args.reference else None,
         )
     print(format_rows(rows))
     if args.json:
@@ -243,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per row; the median is reported")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument(
+        "--reference",
+        metavar="DIR",
+        help="a checkout of the TRM reference (SamsungSAILMontreal/TinyRecursiveModels): add its training step's row"
+        " beside each raytrm row, measured in the same run",
+    )
     p.set_defaults(func=cmd_bench)
     return parser
 

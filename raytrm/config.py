@@ -122,6 +122,14 @@ class TrainConfig:
     memory_budget_mb: int | None = spec(
         None, "training memory budget in MiB: the micro-batch adapts to stay under it; None = no adaptation", ge=64
     )
+    thermal_cap: str | None = spec(
+        None, "hottest thermal state tolerated; above it the guard sheds load; None = no guard", choices=THERMAL_STATES
+    )
+    thermal_action: str = spec(
+        "threads",
+        "how the thermal guard sheds load first: fewer threads or a smaller micro-batch",
+        choices=("threads", "micro_batch"),
+    )
     optimizer: str = spec("adamw", "optimizer of the network weights", choices=("adamw", "adam_atan2"))
     lr: float = spec(1e-4, "peak learning rate", gt=0)
     betas: list = spec([0.9, 0.95], "Adam betas [beta1, beta2]")

@@ -48,12 +48,17 @@ def _with_tier_defaults(data: dict[str, Any]) -> dict[str, Any]:
     from raytrm.hardware.tiers import match_tier
 
     training = data.setdefault("training", {})
-    if training.get("threads") is None or training.get("interop_threads") is None:
-        tier = match_tier(detect())
-        training.setdefault("threads", tier.threads)
-        training.setdefault("interop_threads", tier.interop_threads)
-        training.setdefault("dataloader_workers", tier.dataloader_workers)
-        logger.info("tier %s: %s", tier.name, tier.reason)
+    tier = match_tier(detect())
+    for key, value in (
+        ("threads", tier.threads),
+        ("interop_threads", tier.interop_threads),
+        ("dataloader_workers", tier.dataloader_workers),
+        ("memory_budget_mb", tier.memory_budget_mb),
+        ("thermal_cap", tier.thermal_cap),
+    ):
+        if training.get(key) is None:
+            training[key] = value
+    logger.info("tier %s: %s", tier.name, tier.reason)
     return data
 
 
@@ -84,6 +89,9 @@ def resolve_experiment(
     elif profile_file:
         profile = cfg.load_profile(profile_file)
         base = {k: cfg.to_dict(getattr(profile, k)) for k in ("model", "data", "training")}
+        # The profile's limits are the tier's: they bound the run unless its training section says otherwise.
+        base["training"]["memory_budget_mb"] = base["training"]["memory_budget_mb"] or profile.limits.memory_budget_mb
+        base["training"]["thermal_cap"] = base["training"]["thermal_cap"] or profile.limits.thermal_cap
         source = profile_file
     elif config_file:
         base = _with_tier_defaults(cfg.to_dict(cfg.load(cfg.ExperimentConfig, config_file)))

@@ -18,6 +18,8 @@ from raytrm.train import checkpoint as ckpt
 from raytrm.train.adaptive import GovernorSettings, MemoryGovernor
 from raytrm.train.metrics import MetricsLog, Progress
 from raytrm.train.peak import PeakMemory
+from raytrm.train.thermal_guard import ThermalGuard
+from raytrm.train.threads import apply_threads
 from raytrm.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -123,6 +125,12 @@ def _loop(
     last_eval: dict[str, float] = {}
     last_accuracy = None  # of the latest step in which some sequence halted
     step_peak, peak_method = 0, ""
+    guard = (
+        ThermalGuard(cap=train.thermal_cap, action=train.thermal_action, threads=trainer.threads["threads"])
+        if train.thermal_cap
+        else None
+    )
+    thermal_scale = 1.0  # the guard's share of the micro-batch, on top of the memory governor's choice
 
     def save() -> Path:
         state = trainer.state_dict()
@@ -137,12 +145,27 @@ def _loop(
         with PeakMemory(trainer.device.type) as peak:
             result = trainer.train_step(on_out_of_memory=governor.on_out_of_memory if governor else None)
         step_peak, peak_method = max(step_peak, peak.bytes), peak.method
+        base_micro = train.micro_batch  # what the config asks for, before the guard's share
         if governor is not None:
-            micro = governor.after_step(trainer.step, peak.bytes, memory.read().pressure)
-            if micro != trainer.micro_batch:
-                trainer.set_micro_batch(micro)
+            base_micro = governor.after_step(trainer.step, peak.bytes, memory.read().pressure)
             for event in governor.events[seen:]:
                 log.write(event)
+        if guard is not None:
+            decision = guard.observe(trainer.step, thermal.read().get("thermal_state"), result.samples / result.seconds)
+            if decision.event:
+                log.write(decision.event)
+            if decision.threads:
+                apply_threads(decision.threads)
+                guard.reset_baseline()
+            if decision.micro_batch_scale:
+                thermal_scale = min(1.0, thermal_scale * decision.micro_batch_scale)
+            if decision.pause_s:
+                time.sleep(decision.pause_s)
+        micro = max(1, int(base_micro * thermal_scale)) if governor is not None or thermal_scale < 1 else None
+        if micro is not None and micro != trainer.micro_batch:
+            trainer.set_micro_batch(micro)
+            if guard is not None:
+                guard.reset_baseline()
         train_seconds += result.seconds
         window_seconds += result.seconds
         window_samples += result.samples
@@ -188,6 +211,10 @@ def _loop(
         "peak_method": peak_method,
         "micro_batches": list(trainer.cuts),
         "memory": governor.summary(trainer.micro_batch) if governor is not None else None,
+        "memory_budget_mb": train.memory_budget_mb,
+        "thermal_cap": train.thermal_cap,
+        "thermal_max": guard.hottest if guard is not None else None,
+        "thermal_events": list(guard.events) if guard is not None else [],
         **final_eval,
         "checkpoint": str(path),
         "device": trainer.device.type,

@@ -40,7 +40,10 @@ def test_train_then_resume(tiny, tmp_path, capsys):
     assert main(["train", "--out", str(run), "--resume", "--steps", "5", "--quiet"]) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["steps"], summary["resumed_from_step"]) == (5, 3)
-    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3, 4, 5]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "event" not in r] == [1, 2, 3, 4, 5]
+    # The tier's memory budget applies to command-line runs: the governor's choice is on record.
+    assert summary["memory_budget_mb"] and any(r.get("event") == "choose" for r in records)
 
 
 def test_resume_refusals(tiny, tmp_path, capsys):
@@ -72,7 +75,8 @@ def test_train_with_a_profile_uses_exactly_its_settings(tiny, tmp_path):
     assert main(["train", "--profile", str(path), "--steps", "2", "--out", str(run), "--quiet"]) == 0
     used = cfg.load(cfg.ExperimentConfig, run / "config.yaml")
     assert used.model == profile.model and used.data == profile.data
-    assert cfg.to_dict(used.training) == {**cfg.to_dict(profile.training), "steps": 2}
+    limits = {"memory_budget_mb": 2000, "thermal_cap": "fair"}  # from the profile's limits
+    assert cfg.to_dict(used.training) == {**cfg.to_dict(profile.training), "steps": 2, **limits}
 
 
 def test_bad_data_path_is_one_line(tmp_path, capsys):
