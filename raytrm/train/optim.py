@@ -16,6 +16,14 @@ import torch
 from torch import nn
 
 
+def _evaluate(closure: Callable[[], float] | None) -> float | None:
+    """The optimizer protocol's closure: re-evaluate the loss with gradients on, when one is given."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class AdamATan2(torch.optim.Optimizer):
     """Adam with an atan2 update and decoupled weight decay, no epsilon.
 
@@ -40,10 +48,7 @@ class AdamATan2(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             beta1, beta2 = group["betas"]
@@ -129,10 +134,7 @@ class SignSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group, embedding in zip(self.param_groups, self.embeddings, strict=True):
             seen = embedding.sparse_grad()
             embedding.clear_grad()

@@ -37,6 +37,14 @@ def grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_same_gradients(a: Trainer, b: Trainer) -> None:
+    """Accumulated gradients equal to fp32 rounding, relative to each tensor's largest entry."""
+    ga, gb = grads(a), grads(b)
+    for key in ga:
+        scale = float(ga[key].abs().max())
+        torch.testing.assert_close(ga[key], gb[key], rtol=1e-4, atol=1e-5 * scale, msg=lambda m, k=key: f"{k}: {m}")
+
+
 def test_accumulation_gives_the_same_update_carry_included(tiny):
     lr = 3e-3
     whole = Trainer(tiny(training={"global_batch_size": 32, "grad_accum_steps": 1, "lr": lr}))
@@ -50,10 +58,7 @@ def test_accumulation_gives_the_same_update_carry_included(tiny):
         for key, value in metrics_a.items():  # None where no sequence halted this step, in both
             assert value == (None if metrics_b[key] is None else pytest.approx(metrics_b[key], rel=1e-5)), key
         # The gradient itself, before Adam: Adam and SignSGD are blind to a loss scale, the gradient is not.
-        ga, gb = grads(whole), grads(parts)
-        for key in ga:
-            scale = float(ga[key].abs().max())
-            torch.testing.assert_close(ga[key], gb[key], rtol=1e-4, atol=1e-5 * scale, msg=lambda m, k=key: f"{k}: {m}")
+        assert_same_gradients(whole, parts)
         whole.optimizer_step()
         parts.optimizer_step()
     # Adam moves a weight by at most about lr a step; where v is ~0 it amplifies rounding, so compare on that scale.
@@ -130,10 +135,7 @@ def test_recutting_mid_run_changes_nothing_but_the_cut(tiny):
         assert sum(moving.set_micro_batch(micro)) == 32
         fixed.forward_backward()
         moving.forward_backward()
-        ga, gb = grads(fixed), grads(moving)
-        for key in ga:
-            scale = float(ga[key].abs().max())
-            torch.testing.assert_close(ga[key], gb[key], rtol=1e-4, atol=1e-5 * scale, msg=lambda m, k=key: f"{k}: {m}")
+        assert_same_gradients(fixed, moving)
         fixed.optimizer_step()
         moving.optimizer_step()
     assert moving.cuts == [5, 5, 5, 5, 4, 4, 4]
