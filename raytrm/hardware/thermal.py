@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from raytrm.config import THERMAL_STATES
 from raytrm.hardware.pressure import run_command
 
@@ -174,6 +176,19 @@ class ThermalReader:
                 out.update(self._from_commands())
         elif self.platform.startswith("linux"):
             celsius = hottest_zone_celsius(self.root)
+            if celsius is None and self.root == "/":
+                celsius = hottest_psutil_celsius()
             if celsius is not None:
                 out["temperature_c"] = celsius
         return out
+
+
+def hottest_psutil_celsius() -> float | None:
+    """The hottest sensor psutil reports (hwmon drivers that expose no thermal zone), or None."""
+    reader = getattr(psutil, "sensors_temperatures", None)
+    try:
+        sensors = reader() if reader else {}
+    except (OSError, RuntimeError):
+        return None
+    readings = [entry.current for entries in sensors.values() for entry in entries if entry.current is not None]
+    return max(readings) if readings else None

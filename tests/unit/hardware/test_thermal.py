@@ -41,3 +41,19 @@ def test_linux_zones(tmp_path):
     assert hottest_zone_celsius(str(tmp_path)) == 61.5
     assert ThermalReader(platform="linux", root=str(tmp_path)).read() == {"temperature_c": 61.5}
     assert ThermalReader(platform="linux", root=str(tmp_path / "none")).read() == {}
+
+
+def test_psutil_sensors_when_no_zone(monkeypatch):
+    from collections import namedtuple
+
+    import raytrm.hardware.thermal as thermal
+
+    Temp = namedtuple("Temp", "label current high critical")
+    monkeypatch.setattr(thermal, "hottest_zone_celsius", lambda root: None)
+    monkeypatch.setattr(
+        thermal.psutil,
+        "sensors_temperatures",
+        lambda: {"coretemp": [Temp("Core 0", 55.0, 80, 90), Temp("Core 1", 71.0, 80, 90)]},
+        raising=False,
+    )
+    assert ThermalReader(platform="linux").read() == {"temperature_c": 71.0}
