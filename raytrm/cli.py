@@ -159,27 +159,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from raytrm.bench.trm import as_json, bench_trm, format_rows
     from raytrm.hardware.probe import detect
 
-    with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
-        rows = bench_trm(
-            args.variants,
-            args.hidden,
-            args.batch,
-            args.threads,
-            args.device,
-            Path(work),
-            repeats=args.repeats,
-            dtype=args.dtype,
-            reference=Path(args.reference) if args.reference else None,
-        )
-    print(format_rows(rows))
+    if args.what == "memory":
+        from raytrm.bench import memory
+
+        with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
+            rows, overhead = memory.bench_memory(args.hidden, args.checks, args.threads, Path(work))
+        print(memory.format_rows(rows, overhead))
+        results: object = memory.as_json(rows, overhead)
+    else:
+        with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
+            trm_rows = bench_trm(
+                args.variants,
+                args.hidden,
+                args.batch,
+                args.threads,
+                args.device,
+                Path(work),
+                repeats=args.repeats,
+                dtype=args.dtype,
+                reference=Path(args.reference) if args.reference else None,
+            )
+        print(format_rows(trm_rows))
+        results = as_json(trm_rows)
     if args.json:
         hw = detect()
         doc = {
-            "bench": "trm",
+            "bench": args.what,
             "date": time.strftime("%Y-%m-%d"),
             "machine": f"{hw.chip}, {hw.logical_cpus} CPUs",
             "command": "raytrm " + " ".join(sys.argv[1:]),
-            "rows": as_json(rows),
+            "results": results,
         }
         Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
@@ -237,7 +246,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export_checkpoint)
 
     p = sub.add_parser("bench", help="measure training throughput against this machine's matmul ceiling")
-    p.add_argument("what", choices=("trm",), help="trm: TRM training samples/s and fraction of the matmul rate")
+    p.add_argument(
+        "what",
+        choices=("trm", "memory"),
+        help="trm: TRM training samples/s and fraction of the matmul rate; memory: the memory model's prediction "
+        "error and the cost of per-step monitoring",
+    )
+    p.add_argument(
+        "--checks",
+        nargs="+",
+        type=int,
+        default=[24, 48],
+        help="memory: micro-batches to predict (divisors of the largest)",
+    )
     p.add_argument("--variants", nargs="+", default=["mlp_t", "attention"], choices=("mlp_t", "attention"))
     p.add_argument("--hidden", nargs="+", type=int, default=[128, 256, 512])
     p.add_argument("--batch", type=int, default=16, help="global batch (one micro-batch)")

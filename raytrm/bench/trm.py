@@ -1,21 +1,31 @@
 """`raytrm bench trm`: training throughput of TRM against this machine's measured matrix-multiply ceiling.
 
-Each row is the real Trainer's `train_step` (data, forward of every recursion round, backward of the last, loss,
-optimizers, EMA) at one variant and width. Its model FLOPs are counted by torch's FLOP counter on one step, and the
-matmul ceiling is measured in the same run, so the fraction compares like with like on a noisy machine.
+Each `raytrm` row is the real Trainer's `train_step` (data, forward of every recursion round, backward of the last,
+loss, optimizers, EMA) at one variant and width. Its model FLOPs are counted by torch's FLOP counter on one step, and
+the matmul ceiling is measured in the same run, between the timed steps, so the fraction compares like with like on a
+noisy machine.
+
+With a reference checkout, a `reference` row follows each raytrm row: the reference's own model and training step at the
+same variant, width, batch, threads, device and dtype (see `raytrm.bench.reference`). The two steps are timed in
+alternation, so a change in the machine's load reaches both rows alike, and `ratio` is raytrm's samples/s over the
+reference's.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from raytrm import config as cfg
+from raytrm.bench.reference import ReferenceTrainer, load_reference_classes
 from raytrm.bench.timing import count_flops, matmul_flops_per_sec, median_seconds
 from raytrm.data.build import build_dataset
+from raytrm.hardware import device as devices
 from raytrm.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -37,6 +47,10 @@ class TrmRow:
     gflops: float
     matmul_gflops: float
     fraction_of_matmul: float
+    #: "raytrm", or "reference" for the reference's own training step.
+    impl: str = "raytrm"
+    #: On a raytrm row measured beside the reference: raytrm samples/s / reference samples/s.
+    ratio: float | None = None
 
 
 def _experiment(
@@ -52,6 +66,73 @@ def _experiment(
     return cfg.from_dict(cfg.ExperimentConfig, {"model": model, "data": {"path": str(data_dir)}, "training": training})
 
 
+def _interleaved(
+    steps: list[Callable[[], object]], ceiling: Callable[[], float], device: torch.device, repeats: int
+) -> tuple[list[float], float]:
+    """Median seconds of each (warmed-up) step and median matmul rate, measured in turn round after round.
+
+    Taking one sample of each per round lets a change in the machine's load reach every row and the ceiling alike.
+    """
+    samples: list[list[float]] = [[] for _ in steps]
+    rates = []
+    for _ in range(repeats):
+        for step, times in zip(steps, samples, strict=True):
+            times.append(median_seconds(step, device, warmup=0, repeats=1))
+        rates.append(ceiling())
+    return [statistics.median(times) for times in samples], statistics.median(rates)
+
+
+def _measure_pair(
+    experiment: cfg.ExperimentConfig, data_dir: Path, reference: Path | None, repeats: int
+) -> list[TrmRow]:
+    """raytrm's row at one config, and the reference's beside it when a checkout is given."""
+    trainer = Trainer(experiment)
+    steps: list[tuple[str, Callable[[], object]]] = [("raytrm", trainer.train_step)]
+    if reference is not None:
+        ref = ReferenceTrainer(reference, experiment, data_dir, trainer.device, trainer.dtype)
+        steps.append(("reference", ref.train_step))
+    # 2048^3 saturates a CPU; a GPU needs a larger product to reach its rate.
+    size = 2048 if trainer.device.type == devices.CPU else 8192
+    ceiling_dtype = torch.float32 if trainer.dtype == torch.float32 else trainer.dtype
+    try:
+        flops = []
+        for _, step in steps:
+            step()  # first step: allocations, carry set-up
+            flops.append(count_flops(step))
+            step()  # warm-up
+        seconds, ceiling = _interleaved(
+            [step for _, step in steps],
+            lambda: matmul_flops_per_sec(trainer.device, n=size, dtype=ceiling_dtype, repeats=3),
+            trainer.device,
+            repeats,
+        )
+    finally:
+        trainer.close()
+    batch, model = experiment.training.global_batch_size, experiment.model
+    rows = [
+        TrmRow(
+            variant=model.variant,
+            hidden=model.hidden_size,
+            batch=batch,
+            device=trainer.device.type,
+            dtype=str(trainer.dtype).removeprefix("torch."),
+            step_seconds=s,
+            samples_per_sec=batch / s,
+            gflop_per_step=f / 1e9,
+            gflops=f / s / 1e9,
+            matmul_gflops=ceiling / 1e9,
+            fraction_of_matmul=f / s / ceiling,
+            impl=impl,
+        )
+        for (impl, _), f, s in zip(steps, flops, seconds, strict=True)
+    ]
+    if len(rows) == 2:
+        rows[0].ratio = rows[0].samples_per_sec / rows[1].samples_per_sec
+    for row in rows:
+        logger.info("%s", row)
+    return rows
+
+
 def bench_trm(
     variants: list[str],
     hiddens: list[int],
@@ -61,52 +142,37 @@ def bench_trm(
     work_dir: Path,
     repeats: int = 5,
     dtype: str = "auto",
+    reference: Path | None = None,
 ) -> list[TrmRow]:
-    """Median step time and FLOP rate of each (variant, hidden), with the matmul ceiling measured alongside."""
+    """Median step time and FLOP rate of each (variant, hidden), with the matmul ceiling measured alongside.
+
+    reference: a checkout of the TRM reference; each raytrm row then gets the reference's row at the same config.
+    """
+    if reference is not None:
+        load_reference_classes(reference)  # a wrong directory fails now, before any model is timed
     data_dir = work_dir / "sudoku"
     if not (data_dir / "test" / "dataset.json").exists():
         build_dataset("sudoku", data_dir, count=max(64, 4 * batch), test_count=8, givens=36, overwrite=True)
     rows = []
     for variant in variants:
         for hidden in hiddens:
-            trainer = Trainer(_experiment(variant, hidden, batch, threads, device, data_dir, dtype))
-            ceiling_dtype = torch.float32 if trainer.dtype == torch.float32 else trainer.dtype
-            trainer.train_step()  # first step: allocations, carry set-up
-            flops = count_flops(trainer.train_step)
-            seconds = median_seconds(trainer.train_step, trainer.device, warmup=1, repeats=repeats)
-            # Measured right after the model, so both see the same machine state.
-            ceiling = matmul_flops_per_sec(trainer.device, dtype=ceiling_dtype)
-            rows.append(
-                TrmRow(
-                    variant=variant,
-                    hidden=hidden,
-                    batch=batch,
-                    device=trainer.device.type,
-                    dtype=str(trainer.dtype).removeprefix("torch."),
-                    step_seconds=seconds,
-                    samples_per_sec=batch / seconds,
-                    gflop_per_step=flops / 1e9,
-                    gflops=flops / seconds / 1e9,
-                    matmul_gflops=ceiling / 1e9,
-                    fraction_of_matmul=flops / seconds / ceiling,
-                )
-            )
-            logger.info("%s", rows[-1])
-            trainer.close()
+            experiment = _experiment(variant, hidden, batch, threads, device, data_dir, dtype)
+            rows.extend(_measure_pair(experiment, data_dir, reference, repeats))
     return rows
 
 
 def format_rows(rows: list[TrmRow]) -> str:
     head = (
-        f"{'variant':<10} {'hidden':>6} {'batch':>5} {'device':>6} {'dtype':>8} {'step s':>8} {'samples/s':>10} "
-        f"{'GFLOP/step':>10} {'GFLOP/s':>8} {'matmul':>8} {'fraction':>8}"
+        f"{'variant':<10} {'impl':<9} {'hidden':>6} {'batch':>5} {'device':>6} {'dtype':>8} {'step s':>8} "
+        f"{'samples/s':>10} {'GFLOP/step':>10} {'GFLOP/s':>8} {'matmul':>8} {'fraction':>8} {'ratio':>6}"
     )
     lines = [head]
     for r in rows:
+        ratio = f"{r.ratio:>6.2f}" if r.ratio is not None else f"{'':>6}"
         lines.append(
-            f"{r.variant:<10} {r.hidden:>6} {r.batch:>5} {r.device:>6} {r.dtype:>8} {r.step_seconds:>8.3f} "
+            f"{r.variant:<10} {r.impl:<9} {r.hidden:>6} {r.batch:>5} {r.device:>6} {r.dtype:>8} {r.step_seconds:>8.3f} "
             f"{r.samples_per_sec:>10.2f} {r.gflop_per_step:>10.1f} {r.gflops:>8.1f} {r.matmul_gflops:>8.1f} "
-            f"{r.fraction_of_matmul:>8.2f}"
+            f"{r.fraction_of_matmul:>8.2f} {ratio}"
         )
     return "\n".join(lines)
 
