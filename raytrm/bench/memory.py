@@ -20,7 +20,7 @@ from raytrm.data.build import build_dataset
 from raytrm.hardware.pressure import MemoryReader
 from raytrm.hardware.thermal import ThermalReader
 from raytrm.train.memory import fit
-from raytrm.train.peak import PeakMemory
+from raytrm.train.peak import PeakMemory, trim_heap
 from raytrm.train.trainer import Trainer
 
 PROBES = (4, 8, 16)
@@ -71,6 +71,7 @@ def bench_memory(
         build_dataset("sudoku", data_dir, count=4 * global_batch, test_count=8, givens=36, overwrite=True)
     rows, overhead = [], []
     for hidden in hiddens:
+        trim_heap()  # the previous width's freed heap would otherwise raise this one's measured peaks
         trainer = _trainer(hidden, global_batch, data_dir, threads)
         points = [(b, _peak(trainer, b)) for b in PROBES]
         line = fit(points[1:])  # the first probe is the warm-up step, as in training
@@ -82,6 +83,7 @@ def bench_memory(
         step = median_seconds(trainer.train_step, trainer.device, warmup=0, repeats=3)
         overhead.append(OverheadRow(hidden, step, _monitor_seconds(trainer), _monitor_seconds(trainer) / step))
         trainer.close()
+        del trainer
     return rows, overhead
 
 

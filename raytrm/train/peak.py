@@ -8,6 +8,7 @@ MPS has no peak API: the sampling thread reads the allocator's current allocatio
 
 from __future__ import annotations
 
+import ctypes
 import re
 import threading
 from collections.abc import Callable
@@ -35,6 +36,28 @@ def _reset_hwm() -> bool:
     except OSError:
         return False
     return True
+
+
+def trim_heap() -> bool:
+    """Give freed heap back to the OS (glibc malloc_trim), so resident memory reflects what is in use again.
+
+    glibc keeps freed blocks, above all in the per-thread arenas torch's threads allocate from: after a large step
+    the resident size stays near its peak, and a smaller step would look as large. Returns False where there is no
+    glibc (macOS's allocator returns memory by itself).
+    """
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim is False:
+        return False
+    _malloc_trim(0)
+    return True
+
+
+_malloc_trim = None
 
 
 class _Sampler(threading.Thread):

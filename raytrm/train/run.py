@@ -17,7 +17,7 @@ from raytrm.hardware.thermal import ThermalReader
 from raytrm.train import checkpoint as ckpt
 from raytrm.train.adaptive import GovernorSettings, MemoryGovernor
 from raytrm.train.metrics import MetricsLog, Progress
-from raytrm.train.peak import PeakMemory
+from raytrm.train.peak import PeakMemory, trim_heap
 from raytrm.train.thermal_guard import ThermalGuard
 from raytrm.train.threads import apply_threads
 from raytrm.train.trainer import Trainer
@@ -163,6 +163,8 @@ def _loop(
                 time.sleep(decision.pause_s)
         micro = max(1, int(base_micro * thermal_scale)) if governor is not None or thermal_scale < 1 else None
         if micro is not None and micro != trainer.micro_batch:
+            if micro < trainer.micro_batch:
+                trim_heap()  # otherwise the freed activations stay resident and the smaller cut looks as large
             trainer.set_micro_batch(micro)
             if guard is not None:
                 guard.reset_baseline()

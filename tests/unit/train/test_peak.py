@@ -36,3 +36,18 @@ def test_sampling_fallback(monkeypatch):
         del block
     assert region.method == "rss-sampled"
     assert region.bytes > 100 * MiB
+
+
+def test_trim_heap_returns_freed_memory():
+    import re
+
+    from raytrm.train.peak import trim_heap
+
+    def rss() -> int:
+        return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+
+    blocks = [np.ones(64 * 1024 // 8) for _ in range(4000)]  # 256 MiB of small blocks: heap, not mmap
+    held = rss()
+    del blocks
+    assert trim_heap()
+    assert held - rss() > 128 * MiB
