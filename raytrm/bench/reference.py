@@ -75,7 +75,7 @@ def _einops_stand_in() -> types.ModuleType:
 
 @contextlib.contextmanager
 def _reference_imports(root: Path) -> Iterator[None]:
-    """`root` first on sys.path and its `models` package importable; sys.path and sys.modules restored after.
+    """`root` first on sys.path and its `models` package importable, without writing bytecode into `root`.
 
     Any other module named `models` is set aside meanwhile, so the reference's own imports find its files, and the
     reference's modules leave sys.modules afterwards, so a second checkout loads its own.
@@ -92,9 +92,11 @@ def _reference_imports(root: Path) -> Iterator[None]:
     sys.modules.update(stand_ins)
     sys.path.insert(0, str(root))
     importlib.invalidate_caches()
+    dont_write_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # leave the checkout untouched
     try:
         yield
     finally:
+        sys.dont_write_bytecode = dont_write_bytecode
         with contextlib.suppress(ValueError):
             sys.path.remove(str(root))
         for name in [n for n in sys.modules if ours(n)]:
@@ -113,7 +115,8 @@ def _load_class(root: Path, identifier: str, source: str) -> type:
     except ModuleNotFoundError as e:
         if e.name and (e.name == PACKAGE or e.name.startswith(PACKAGE + ".")):
             raise UserError(
-                f"{root}: no {path}.py (named by {source}), so this is not a TRM reference checkout; {_clone_fix(root)}"
+                f"{path}.py: not found (named by {source}), so {root} is not a TRM reference checkout;"
+                f" {_clone_fix(root)}"
             ) from e
         missing = e.name or str(e)
         raise UserError(
@@ -245,7 +248,7 @@ class ReferenceTrainer:
             self.ema = classes.ema(mu=train.ema_decay)
             self.ema.register(self.model)
         self.carry = None
-        self.parameters = sum(p.numel() for p in self.model.parameters())
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
 
     def _batch(self) -> dict[str, torch.Tensor]:
         idx = self.rng.choice(len(self.data), size=self.batch_size, replace=len(self.data) < self.batch_size)

@@ -122,7 +122,8 @@ def test_directory_that_is_not_a_checkout(tmp_path: Path) -> None:
 
 def test_checkout_without_the_model_module(tmp_path: Path) -> None:
     files = {k: v for k, v in FILES.items() if not k.endswith("trm.py")}
-    with pytest.raises(UserError, match=r"no .*models/recursive_reasoning/trm\.py \(named by .*trm\.yaml\)"):
+    expected = r"models/recursive_reasoning/trm\.py: not found \(named by .*trm\.yaml\), so .* is not a TRM reference"
+    with pytest.raises(UserError, match=expected):
         load_reference_classes(fake_checkout(tmp_path, files))
 
 
@@ -141,6 +142,7 @@ def test_missing_class_is_named(tmp_path: Path) -> None:
 def test_loads_the_checkout_and_leaves_imports_as_they_were(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     other = types.ModuleType("models")  # some other top-level `models` the process already had
     monkeypatch.setitem(sys.modules, "models", other)
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
     path_before = list(sys.path)
     classes = load_reference_classes(fake_checkout(tmp_path))
     assert (classes.model.__name__, classes.loss_head.__name__, classes.loss_type) == (
@@ -152,6 +154,8 @@ def test_loads_the_checkout_and_leaves_imports_as_they_were(tmp_path: Path, monk
     assert sys.modules["models"] is other
     assert not [name for name in sys.modules if name.startswith("models.")]
     assert sys.path == path_before
+    assert sys.dont_write_bytecode is False
+    assert not list(tmp_path.rglob("__pycache__"))  # the checkout is left as it was
 
 
 def test_trainer_drives_the_reference_step(tmp_path: Path) -> None:
