@@ -1,40 +1,20 @@
 """Which thermal and memory-pressure sources answer on this machine.
 
-Only availability is decided here; the readers that sample them live with the trainer's guards. The names are
+Only availability is decided here (thermal sources by asking the readers of thermal.py once). The names are
 stable: they appear in `raytrm probe --json` and in run metadata.
 """
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import os
 import shutil
 import sys
-from pathlib import Path
 
-import psutil
+from raytrm.hardware.thermal import hottest_psutil_celsius, hottest_zone_celsius
 
 #: Needs no sensor: a sustained fall of throughput at constant work is how throttling shows.
 THROUGHPUT = "throughput"
-
-
-def _linux_thermal_zones(root: str) -> bool:
-    for path in glob.glob(os.path.join(root, "sys/class/thermal/thermal_zone*/temp")):
-        try:
-            int(Path(path).read_text().strip())
-            return True
-        except (OSError, ValueError):
-            continue
-    return False
-
-
-def _psutil_sensors() -> bool:
-    reader = getattr(psutil, "sensors_temperatures", None)
-    try:
-        return bool(reader and reader())
-    except (OSError, RuntimeError):
-        return False
 
 
 def thermal_sources(platform: str = sys.platform, root: str = "/") -> list[str]:
@@ -48,9 +28,9 @@ def thermal_sources(platform: str = sys.platform, root: str = "/") -> list[str]:
         if shutil.which("pmset"):
             found.append("pmset")
     elif platform.startswith("linux"):
-        if _linux_thermal_zones(root):
+        if hottest_zone_celsius(root) is not None:
             found.append("linux-thermal-zones")
-        if _psutil_sensors():
+        if hottest_psutil_celsius() is not None:
             found.append("psutil-sensors")
     found.append(THROUGHPUT)
     return found

@@ -51,7 +51,6 @@ def run_training(
     *,
     resume: bool = False,
     progress: bool = False,
-    trainer_kwargs: dict[str, Any] | None = None,
     memory_reader: MemoryReader | None = None,
     thermal_reader: ThermalReader | None = None,
     governor_settings: GovernorSettings | None = None,
@@ -65,7 +64,7 @@ def run_training(
         raise UserError("training needs a stopping rule; give --steps N or --time-budget SECONDS")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(config, run_dir, progress=progress, **(trainer_kwargs or {}))
+    trainer = Trainer(config, run_dir)
     governor = _governor(trainer, governor_settings)
     resumed_from = None
     if resume:
@@ -122,7 +121,6 @@ def _loop(
     train = trainer.config.training
     start = time.perf_counter()
     train_seconds, window_seconds, window_samples = 0.0, 0.0, 0
-    last_eval: dict[str, float] = {}
     last_accuracy = None  # of the latest step in which some sequence halted
     step_peak, peak_method = 0, ""
     guard = (
@@ -150,8 +148,10 @@ def _loop(
             base_micro = governor.after_step(trainer.step, peak.bytes, memory.read().pressure)
             for event in governor.events[seen:]:
                 log.write(event)
+        logging_step = trainer.step % train.log_interval == 0 or trainer.step == train.steps
+        heat = thermal.read() if guard is not None or logging_step else {}
         if guard is not None:
-            decision = guard.observe(trainer.step, thermal.read().get("thermal_state"), result.samples / result.seconds)
+            decision = guard.observe(trainer.step, heat.get("thermal_state"), result.samples / result.seconds)
             if decision.event:
                 log.write(decision.event)
             if decision.threads:
@@ -173,7 +173,7 @@ def _loop(
         window_samples += result.samples
         if result.metrics.get("accuracy") is not None:
             last_accuracy = result.metrics["accuracy"]
-        if trainer.step % train.log_interval == 0 or trainer.step == train.steps:
+        if logging_step:
             record = {
                 "step": trainer.step,
                 "samples_per_sec": window_samples / max(window_seconds, 1e-9),
@@ -181,12 +181,11 @@ def _loop(
                 **result.metrics,
                 "lr": trainer.current_lr,
                 **trainer.resources.sample(),
-                **thermal.read(),
+                **heat,
             }
             window_seconds, window_samples = 0.0, 0
             if train.eval_interval and trainer.step % train.eval_interval == 0:
-                last_eval = trainer.evaluate()
-                record.update(last_eval)
+                record.update(trainer.evaluate())
             log.write(record)
             bar.update(
                 trainer.step,

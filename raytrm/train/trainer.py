@@ -8,6 +8,7 @@ needs, `close` releases files. Ray code wraps a Trainer; it never reaches into i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -66,7 +67,6 @@ class Trainer:
         *,
         threads: int | None = None,
         interop_threads: int | None = None,
-        progress: bool = False,
     ) -> None:
         self.config = config
         train = config.training
@@ -104,7 +104,6 @@ class Trainer:
         self.current_lr = lr_at(0, train, train.steps)
         self._batches = None
         self.resources = ResourceSampler()
-        self.show_progress = progress
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         train = self.config.training
@@ -243,7 +242,7 @@ class Trainer:
         """Cell and exact accuracy of the EMA weights on the test split, with the halting steps used."""
         model, was_training = self.model, self.model.training
         model.eval()
-        context = self.ema.swapped(model) if self.ema is not None else _nullcontext()
+        context = self.ema.swapped(model) if self.ema is not None else contextlib.nullcontext()
         correct_cells = valid_cells = exact = count = steps_used = baseline_cells = 0.0
         n = len(self.test_data)
         size = self.micro_batch
@@ -342,11 +341,3 @@ def _rates(totals: dict[str, float], batch_size: int) -> dict[str, float | None]
         elif key != "count":
             out[key] = value / batch_size
     return out
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
