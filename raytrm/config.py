@@ -37,9 +37,13 @@ def spec(
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
+    models: tuple[str, ...] | None = None,
 ) -> Any:
-    """A dataclass field with its description and validation rule."""
-    rules = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le}
+    """A dataclass field with its description and validation rule.
+
+    models: on a ModelConfig field, the model families it applies to (None: all of them).
+    """
+    rules = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le, "models": models}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=rules)
     if dataclasses.is_dataclass(default):
@@ -51,33 +55,77 @@ def spec(
 # The configs
 
 
+TRM = ("trm",)
+TRANSFORMER = ("transformer",)
+
+
 @dataclass
 class ModelConfig:
-    """The network: TRM (attention or mlp_t) or, later, a plain transformer."""
+    """The network: TRM (attention or mlp_t) or a plain transformer (language model or classifier).
 
-    name: str = spec("trm", "model family", choices=("trm",))
+    One flat config for both families; each field says which families it applies to, and setting a field away from
+    its default for a family it does not apply to is an error (a typo'd experiment, not a silent no-op).
+    """
+
+    name: str = spec("trm", "model family", choices=("trm", "transformer"))
     variant: str = spec(
-        "mlp_t", "TRM block mixer: self-attention, or an MLP across positions", choices=("attention", "mlp_t")
+        "mlp_t",
+        "TRM block mixer: self-attention, or an MLP across positions",
+        choices=("attention", "mlp_t"),
+        models=TRM,
     )
     hidden_size: int = spec(512, "width of the residual stream", ge=8)
-    num_heads: int = spec(8, "attention heads (attention variant)", ge=1)
+    num_heads: int = spec(8, "attention heads (TRM attention variant, transformer)", ge=1)
     expansion: float = spec(4.0, "SwiGLU expansion factor before the 2/3 rule and rounding to 256", gt=0)
-    L_layers: int = spec(2, "blocks in the one recursive network", ge=1)
-    H_cycles: int = spec(3, "outer recursion rounds per supervision step (all but the last without gradient)", ge=1)
-    L_cycles: int = spec(6, "latent updates per outer round", ge=1)
-    pos_encodings: str = spec("none", "positional encoding", choices=("rope", "learned", "none"))
+    L_layers: int = spec(2, "blocks in the one recursive network", ge=1, models=TRM)
+    H_cycles: int = spec(
+        3, "outer recursion rounds per supervision step (all but the last without gradient)", ge=1, models=TRM
+    )
+    L_cycles: int = spec(6, "latent updates per outer round", ge=1, models=TRM)
+    pos_encodings: str = spec("none", "positional encoding", choices=("rope", "learned", "none"), models=TRM)
     rope_theta: float = spec(10000.0, "RoPE base", gt=0)
     rms_norm_eps: float = spec(1e-5, "RMSNorm epsilon", gt=0)
-    puzzle_emb_len: int = spec(16, "positions prepended for the puzzle embedding (0 disables it)", ge=0)
-    halt_max_steps: int = spec(16, "most supervision steps a sample gets before it is halted", ge=1)
+    puzzle_emb_len: int = spec(16, "positions prepended for the puzzle embedding (0 disables it)", ge=0, models=TRM)
+    halt_max_steps: int = spec(16, "most supervision steps a sample gets before it is halted", ge=1, models=TRM)
     halt_exploration_prob: float = spec(
-        0.1, "probability a slot is forced to run a random minimum of steps", ge=0, le=1
+        0.1, "probability a slot is forced to run a random minimum of steps", ge=0, le=1, models=TRM
     )
-    halt_at_eval: bool = spec(False, "at evaluation, stop a sample when q_halt > 0 instead of running all steps")
+    halt_at_eval: bool = spec(
+        False, "at evaluation, stop a sample when q_halt > 0 instead of running all steps", models=TRM
+    )
+    task: str = spec(
+        "lm",
+        "transformer head: next-byte language model, or document classifier",
+        choices=("lm", "classify"),
+        models=TRANSFORMER,
+    )
+    layers: int = spec(4, "transformer blocks", ge=1, models=TRANSFORMER)
+    seq_len: int = spec(256, "tokens (bytes) per training sequence", ge=8, models=TRANSFORMER)
+    dropout: float = spec(0.0, "dropout after attention and MLP", ge=0, le=0.9, models=TRANSFORMER)
+    tie_embeddings: bool = spec(True, "share the input embedding with the output head (lm)", models=TRANSFORMER)
+    pooling: str = spec(
+        "mean",
+        "classifier pooling: mean over tokens, or the first token",
+        choices=("mean", "first"),
+        models=TRANSFORMER,
+    )
+    gradient_checkpointing: bool = spec(
+        False, "recompute block activations in backward to save memory", models=TRANSFORMER
+    )
     forward_dtype: str = spec("auto", "dtype of the forward pass; auto lets the device module choose", choices=DTYPES)
 
     def validate(self, source: str, prefix: str = "model") -> None:
-        if self.variant == "attention" and self.hidden_size % self.num_heads:
+        for f in dataclasses.fields(self):
+            models = f.metadata.get("models")
+            if models and self.name not in models and getattr(self, f.name) != _default(f):
+                raise ConfigError(
+                    source,
+                    f"{prefix}.{f.name}",
+                    getattr(self, f.name),
+                    f"no value: it applies to {', '.join(models)} models, not {self.name}",
+                    f"remove it, or set {prefix}.name to {models[0]}",
+                )
+        if (self.name == "transformer" or self.variant == "attention") and self.hidden_size % self.num_heads:
             raise ConfigError(
                 source,
                 f"{prefix}.num_heads",
@@ -85,7 +133,7 @@ class ModelConfig:
                 f"a divisor of hidden_size {self.hidden_size}",
                 "pick heads that divide the width",
             )
-        if self.variant == "mlp_t" and self.pos_encodings == "rope":
+        if self.name == "trm" and self.variant == "mlp_t" and self.pos_encodings == "rope":
             raise ConfigError(
                 source,
                 f"{prefix}.pos_encodings",
@@ -93,6 +141,19 @@ class ModelConfig:
                 "'none' or 'learned' for the mlp_t variant",
                 "mlp_t mixes positions with an MLP and has no attention to rotate",
             )
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def model_fields(name: str) -> tuple[str, ...]:
+    """The ModelConfig fields that apply to the model family `name`."""
+    return tuple(
+        f.name
+        for f in dataclasses.fields(ModelConfig)
+        if f.metadata.get("models") is None or name in f.metadata["models"]
+    )
 
 
 @dataclass
