@@ -28,8 +28,8 @@ from raytrm.models.layers import (
     RotaryEmbedding,
     SparseEmbedding,
     SwiGLU,
+    add_rms_norm,
     cast,
-    rms_norm,
     trunc_normal_,
 )
 
@@ -128,11 +128,11 @@ class Block(nn.Module):
         if self.mlp_t is not None:
             # The reference mixes and normalises the transposed [B, D, L] tensor, so this norm is over positions.
             cols = x.view(L, B * D)
-            x = rms_norm(cols + self.mlp_t.forward_columns(cols), self.eps, dim=0).view(L, B, D)
+            x = add_rms_norm(cols, self.mlp_t.forward_columns(cols), self.eps, dim=0).view(L, B, D)
         else:
             assert self.attn is not None
-            x = rms_norm(x + self.attn(x, rope), self.eps)
-        return rms_norm(x + self.mlp(x), self.eps)
+            x = add_rms_norm(x, self.attn(x, rope), self.eps)
+        return add_rms_norm(x, self.mlp(x), self.eps)
 
 
 class TRM(nn.Module):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from raytrm.models.layers import (
     Attention,
@@ -13,8 +14,11 @@ from raytrm.models.layers import (
     RotaryEmbedding,
     SparseEmbedding,
     SwiGLU,
+    _AddRMSNorm,
+    add_rms_norm,
     apply_rotary,
     rms_norm,
+    swiglu_gate,
     swiglu_width,
     trunc_normal_,
 )
@@ -134,3 +138,33 @@ def test_sparse_embedding_refuses_to_leak():
         emb(torch.tensor([0]))
     with pytest.raises(RuntimeError, match=r"SignSGD\.step"):
         emb(torch.tensor([0]))
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_fused_add_rms_norm_equals_the_formula_and_passes_gradcheck(dim):
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    f = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    fused = _AddRMSNorm.apply(x, f, 1e-5, dim)
+    plain = rms_norm(x + f, 1e-5, dim)
+    torch.testing.assert_close(fused, plain)
+    g = torch.randn_like(fused)
+    assert torch.autograd.gradcheck(lambda a, b: _AddRMSNorm.apply(a, b, 1e-5, dim), (x, f))
+    fused_grads = torch.autograd.grad(fused, (x, f), g)
+    plain_grads = torch.autograd.grad(plain, (x, f), g)
+    for mine, theirs in zip(fused_grads, plain_grads, strict=True):
+        torch.testing.assert_close(mine, theirs)
+
+
+def test_add_rms_norm_keeps_half_precision_on_the_plain_formula():
+    x, f = torch.randn(4, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+    out = add_rms_norm(x, f, 1e-5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, rms_norm(x + f, 1e-5))
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_swiglu_gate_equals_silu_times_up_and_passes_gradcheck(dim):
+    gate_up = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    gate, up = gate_up.chunk(2, dim)
+    torch.testing.assert_close(swiglu_gate(gate_up, dim), F.silu(gate) * up)
+    assert torch.autograd.gradcheck(lambda t: swiglu_gate(t, dim), (gate_up,))
