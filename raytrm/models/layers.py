@@ -204,8 +204,43 @@ class RotaryEmbedding(nn.Module):
         return self.cos, self.sin
 
 
+class _Rotary(torch.autograd.Function):
+    """x rotated by position, from the first halves of rotate-half tables; backward is the inverse rotation.
+
+    With c and s the tables' halves, the rotation is (x1 c - x2 s, x2 c + x1 s): two fused multiply-adds per half,
+    written into one output, where the textbook x cos + rotate_half(x) sin negates, concatenates and multiplies
+    whole copies (and autograd undoes each of those in backward).
+    """
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out1, out2 = out.chunk(2, dim=-1)
+        torch.mul(x1, c, out=out1).addcmul_(x2, s, value=-1)
+        torch.mul(x2, c, out=out2).addcmul_(x1, s)
+        return out
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(c, s)
+        return _Rotary._rotate(x, c, s)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        c, s = ctx.saved_tensors
+        return _Rotary._rotate(g, c, -s), None, None
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., head_dim] by position; cos and sin broadcast against x. In fp32, returned in x's dtype."""
+    """Rotate x [..., head_dim] by position; cos and sin broadcast against x. In fp32, returned in x's dtype.
+
+    The tables are in the rotate-half layout of RotaryEmbedding (both halves of the last dimension equal).
+    """
+    if x.dtype in (torch.float32, torch.float64):
+        half = x.shape[-1] // 2
+        return _Rotary.apply(x, cast(cos[..., :half], x.dtype), cast(sin[..., :half], x.dtype))
+    # Half-precision inputs rotate in fp32, as the reference does.
     h = cast(x, torch.float32)
     h1, h2 = h.chunk(2, dim=-1)
     return cast(h * cos + torch.cat((-h2, h1), dim=-1) * sin, x.dtype)

@@ -168,3 +168,15 @@ def test_swiglu_gate_equals_silu_times_up_and_passes_gradcheck(dim):
     gate, up = gate_up.chunk(2, dim)
     torch.testing.assert_close(swiglu_gate(gate_up, dim), F.silu(gate) * up)
     assert torch.autograd.gradcheck(lambda t: swiglu_gate(t, dim), (gate_up,))
+
+
+def test_fused_rotary_equals_rotate_half_and_passes_gradcheck():
+    rope = RotaryEmbedding(8, 5, 10000.0)
+    cos, sin = (t.double()[:, None] for t in rope())
+    x = torch.randn(5, 3, 8, dtype=torch.float64, requires_grad=True)
+    x1, x2 = x.chunk(2, dim=-1)
+    torch.testing.assert_close(apply_rotary(x, cos, sin), x * cos + torch.cat((-x2, x1), dim=-1) * sin)
+    assert torch.autograd.gradcheck(lambda t: apply_rotary(t, cos, sin), (x,))
+    # A strided input (q and k are slices of the fused projection) rotates the same as a contiguous copy.
+    wide = torch.randn(5, 3, 16, dtype=torch.float64)
+    torch.testing.assert_close(apply_rotary(wide[..., 4:12], cos, sin), apply_rotary(wide[..., 4:12].clone(), cos, sin))
