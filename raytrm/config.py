@@ -158,16 +158,40 @@ def model_fields(name: str) -> tuple[str, ...]:
 
 @dataclass
 class DataConfig:
-    """The dataset: generated Sudoku or maze, or a directory in the TRM reference layout."""
+    """The dataset: generated Sudoku or maze, a directory in the TRM reference layout, or text (transformer)."""
 
-    name: str = spec("sudoku", "dataset kind", choices=("sudoku", "maze"))
-    path: str | None = spec(None, "dataset directory in the reference layout; None generates one into the cache")
+    name: str = spec("sudoku", "dataset kind", choices=("sudoku", "maze", "text"))
+    path: str | None = spec(
+        None,
+        "dataset directory in the reference layout, or for text a file, a directory of files, or JSONL/CSV; "
+        "None generates one into the cache (text: the Python standard library's sources)",
+    )
     train_puzzles: int = spec(2000, "base puzzles generated for training", ge=1)
     test_puzzles: int = spec(200, "base puzzles generated for evaluation", ge=1)
     augment: int = spec(8, "augmented copies per training puzzle (0 = originals only)", ge=0)
     givens: int = spec(36, "Sudoku clues left in each puzzle: fewer is harder", ge=17, le=80)
     maze_size: int = spec(30, "maze side length in cells", ge=5)
     seed: int = spec(0, "generator seed")
+    text_field: str = spec("text", "text: the field (JSONL) or column (CSV) holding a document's text")
+    label_field: str = spec("label", "text: the field (JSONL) or column (CSV) holding a document's class label")
+    stream_above_mb: float = spec(
+        200.0, "text: a token cache larger than this (MiB) is read from disk on demand, not loaded into memory", gt=0
+    )
+    in_memory_below_mb: float = spec(
+        100.0,
+        "text: a token cache smaller than this (MiB) is loaded into memory; between the two, free memory decides",
+        gt=0,
+    )
+
+    def validate(self, source: str, prefix: str = "data") -> None:
+        if self.in_memory_below_mb > self.stream_above_mb:
+            raise ConfigError(
+                source,
+                f"{prefix}.in_memory_below_mb",
+                self.in_memory_below_mb,
+                f"a value <= stream_above_mb ({self.stream_above_mb})",
+                "lower in_memory_below_mb or raise stream_above_mb",
+            )
 
 
 @dataclass
@@ -250,6 +274,23 @@ class ExperimentConfig:
     data: DataConfig = spec(DataConfig(), "the dataset")
     training: TrainConfig = spec(TrainConfig(), "the training loop")
 
+    def validate(self, source: str, prefix: str = "") -> None:
+        check_model_data(self.model, self.data, source)
+
+
+def check_model_data(model: ModelConfig, data: DataConfig, source: str) -> None:
+    """The transformer trains on text and TRM on puzzles; any other pairing is one clear error."""
+    if (model.name == "transformer") != (data.name == "text"):
+        wanted = "text" if model.name == "transformer" else "sudoku or maze"
+        raise ConfigError(
+            source,
+            "data.name",
+            data.name,
+            f"{wanted} for model.name {model.name}",
+            "set data.name: text with model.name: transformer (flags: --model transformer), "
+            "or a puzzle dataset with model.name: trm",
+        )
+
 
 @dataclass
 class HardwareSummary:
@@ -295,6 +336,9 @@ class Profile:
     training: TrainConfig = spec(TrainConfig(), "the training loop")
     limits: Limits = spec(Limits(), "the tier's limits")
     measured: Measured = spec(Measured(), "what the tuner measured")
+
+    def validate(self, source: str, prefix: str = "") -> None:
+        check_model_data(self.model, self.data, source)
 
 
 # ---------------------------------------------------------------------------------------------------------------

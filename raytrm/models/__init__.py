@@ -1,4 +1,5 @@
-"""raytrm's models: TRM (attention or mlp_t), its losses, shared layers and reference-checkpoint import/export."""
+"""raytrm's models: TRM (attention or mlp_t), a byte-level transformer, TRM's losses, shared layers and
+reference-checkpoint import/export."""
 
 from raytrm.models.layers import (
     Attention,
@@ -18,6 +19,7 @@ from raytrm.models.reference_io import (
     save_reference_checkpoint,
     to_reference_state_dict,
 )
+from raytrm.models.transformer import Transformer
 from raytrm.models.trm import TRM, Carry, Exploration
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "RotaryEmbedding",
     "SparseEmbedding",
     "SwiGLU",
+    "Transformer",
     "act_loss",
     "from_reference_state_dict",
     "load_reference_checkpoint",

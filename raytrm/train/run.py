@@ -177,6 +177,7 @@ def _loop(
             record = {
                 "step": trainer.step,
                 "samples_per_sec": window_samples / max(window_seconds, 1e-9),
+                **_tokens_per_sec(trainer, window_samples / max(window_seconds, 1e-9)),
                 "loss": result.loss,
                 **result.metrics,
                 "lr": trainer.current_lr,
@@ -187,15 +188,15 @@ def _loop(
             if train.eval_interval and trainer.step % train.eval_interval == 0:
                 record.update(trainer.evaluate())
             log.write(record)
-            bar.update(
-                trainer.step,
-                {
-                    "samples/s": record["samples_per_sec"],
-                    "loss": result.loss,
-                    "acc": last_accuracy if last_accuracy is not None else "-",
-                    "rss_mb": record["rss_mb"],
-                },
-            )
+            shown = {"samples/s": record["samples_per_sec"]}
+            if "tokens_per_sec" in record:
+                shown["tokens/s"] = record["tokens_per_sec"]
+            shown["loss"] = result.loss
+            if result.metrics.get("bits_per_byte") is not None:
+                shown["bpb"] = result.metrics["bits_per_byte"]
+            shown["acc"] = last_accuracy if last_accuracy is not None else "-"
+            shown["rss_mb"] = record["rss_mb"]
+            bar.update(trainer.step, shown)
         if train.checkpoint_interval and trainer.step % train.checkpoint_interval == 0:
             save()
     final_eval = trainer.evaluate()
@@ -207,6 +208,7 @@ def _loop(
         "wall_seconds": time.perf_counter() - start,
         "train_seconds": train_seconds,
         "samples_per_sec": trainer.samples_seen_this_run / max(train_seconds, 1e-9),
+        **_tokens_per_sec(trainer, trainer.samples_seen_this_run / max(train_seconds, 1e-9)),
         "peak_rss_mb": peak_rss,
         "peak_step_mb": step_peak / 2**20,
         "peak_method": peak_method,
@@ -222,3 +224,8 @@ def _loop(
         "dtype": str(trainer.dtype).removeprefix("torch."),
         "threads": trainer.threads,
     }
+
+
+def _tokens_per_sec(trainer: Trainer, samples_per_sec: float) -> dict[str, float]:
+    """Throughput in tokens beside samples, for models whose samples are token sequences (the language model)."""
+    return {"tokens_per_sec": samples_per_sec * trainer.tokens_per_sample} if trainer.tokens_per_sample else {}

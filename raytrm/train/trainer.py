@@ -2,8 +2,10 @@
 
 Life cycle (as torchtitan's): `__init__` builds every component from its config, `train_step` does one optimizer
 step over one global batch (micro-batches x accumulation), `train` loops until the step count or the time budget,
-`evaluate` scores the EMA weights on held-out puzzles, `state_dict` / `load_state_dict` capture everything a resume
-needs, `close` releases files. Ray code wraps a Trainer; it never reaches into it.
+`evaluate` scores the EMA weights on held-out data, `state_dict` / `load_state_dict` capture everything a resume
+needs, `close` releases files. Ray code wraps a Trainer; it never reaches into it. What differs between model
+families (TRM's carry and halting, the transformer's losses, their data and evaluations) is a task
+(raytrm.train.tasks) the Trainer builds from the config.
 """
 
 from __future__ import annotations
@@ -21,15 +23,14 @@ from typing import Any
 import torch
 
 from raytrm import config as cfg
-from raytrm.data.cache import open_dataset_for
 from raytrm.data.loader import global_batches
 from raytrm.hardware import device as devices
-from raytrm.models.losses import act_loss
-from raytrm.models.trm import TRM, Carry, Exploration
+from raytrm.models.trm import Carry
 from raytrm.train.memory import cut
 from raytrm.train.metrics import ResourceSampler
 from raytrm.train.oom import is_out_of_memory
-from raytrm.train.optim import AdamATan2, ModelEMA, SignSGD
+from raytrm.train.optim import AdamATan2, ModelEMA
+from raytrm.train.tasks import make_task
 from raytrm.train.threads import apply_threads
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def lr_at(step: int, train: cfg.TrainConfig, total_steps: int | None) -> float:
 
 
 class Trainer:
-    """Trains TRM on one process; see the module docstring for the life cycle."""
+    """Trains TRM or a transformer on one process; see the module docstring for the life cycle."""
 
     def __init__(
         self,
@@ -78,32 +79,29 @@ class Trainer:
         )
         self.loss_dtype = devices.loss_dtype(self.device)
 
-        self.train_data, self.test_data = open_dataset_for(config.data)
-        meta = self.train_data.metadata
-        torch.manual_seed(train.seed)
-        self.model = TRM(config.model, meta.vocab_size, meta.seq_len, meta.num_puzzle_identifiers, dtype=self.dtype).to(
-            self.device
-        )
+        # The task opens the data, seeds torch and builds the model (and TRM's sparse optimizer and carry).
+        self.task = make_task(config, self.device, self.dtype, self.loss_dtype)
+        self.train_data, self.test_data = self.task.train_data, self.task.test_data
+        self.model = self.task.model
         self.optimizer = self._build_optimizer()
-        self.sparse_optimizer = (
-            SignSGD(self.model.puzzle_emb, lr=train.puzzle_emb_lr, weight_decay=train.puzzle_emb_weight_decay)
-            if self.model.puzzle_emb is not None
-            else None
-        )
+        self.sparse_optimizer = self.task.sparse_optimizer
         self.ema = ModelEMA(self.model, decay=train.ema_decay, warmup=train.ema_warmup) if train.ema else None
-        self.explore_rng = torch.Generator().manual_seed(train.seed + 1)
+        #: Tokens per training sample where throughput is counted in tokens (the language model), else None.
+        self.tokens_per_sample = self.task.tokens_per_sample
 
         self.global_batch = train.global_batch_size
         self.cuts = cut(self.global_batch, train.micro_batch)
-        # One carry for all slots of the global batch; micro-batches read and write their slice of it, so the cut
-        # can change between steps without touching any slot's state.
-        self.carry: Carry | None = None
         self.step = 0
         self.samples_seen = 0
         self.samples_seen_this_run = 0
         self.current_lr = lr_at(0, train, train.steps)
         self._batches = None
         self.resources = ResourceSampler()
+
+    @property
+    def carry(self) -> Carry | None:
+        """TRM's carry: one slot per sample of the global batch (None before the first step, and for transformers)."""
+        return self.task.carry
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         train = self.config.training
@@ -135,8 +133,8 @@ class Trainer:
         """One optimizer step over one global batch: forward_backward, then optimizer_step.
 
         If the allocator raises out-of-memory (CUDA, MPS) and on_out_of_memory is given, it is told the step and
-        returns a smaller micro-batch; the same samples with the same exploration draws are redone from the same
-        carry, so nothing is lost or doubled.
+        returns a smaller micro-batch; the same samples (with TRM, the same exploration draws) are redone from the
+        same state (TRM's carry), so nothing is lost or doubled.
         """
         start = time.perf_counter()
         loss, metrics = self.forward_backward(batch, on_out_of_memory=on_out_of_memory)
@@ -147,57 +145,42 @@ class Trainer:
     def forward_backward(
         self, batch: dict[str, torch.Tensor] | None = None, on_out_of_memory: Callable[[int], int] | None = None
     ) -> tuple[float, dict[str, float | None]]:
-        """Accumulate the gradient of one global batch, cut into micro-batches; each slot keeps its own carry.
+        """Accumulate the gradient of one global batch, cut into micro-batches; each TRM slot keeps its own carry.
 
-        Every micro-batch's loss is divided by the global batch size, so the accumulated gradient is the gradient
-        of the whole batch whatever the cut. Returns the loss and the loss head's metrics as rates.
+        Every micro-batch's loss is divided by a count of the whole global batch (the task's), so the accumulated
+        gradient is the gradient of the whole batch whatever the cut. Returns the loss and the metrics as rates.
         """
         batch = self._next_global_batch() if batch is None else batch
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        model_cfg = self.config.model
-        # Drawn for the whole global batch, then sliced: the draws do not depend on the cut (nor on a redo).
-        exploration = Exploration.draw(
-            self.global_batch,
-            model_cfg.halt_exploration_prob,
-            model_cfg.halt_max_steps,
-            generator=self.explore_rng,
-            device=self.device,
-        )
-        if self.carry is None:
-            self.carry = self.model.initial_carry(batch)
+        step = self.task.begin_step(batch, self.global_batch)
         # Only allocators that raise need a copy to redo from; on the CPU nothing raises, so nothing is copied.
-        saved = Carry.from_dict({k: v.clone() for k, v in self.carry.to_dict().items()}) if on_out_of_memory else None
+        saved = self.task.snapshot() if on_out_of_memory else None
         while True:
             try:
-                return self._accumulate(batch, exploration)
+                return self._accumulate(batch, step)
             except Exception as error:
-                if saved is None or not is_out_of_memory(error):
+                if on_out_of_memory is None or not is_out_of_memory(error):
                     raise
                 self._discard_partial_step(saved)
                 self.set_micro_batch(on_out_of_memory(self.step))
 
-    def _accumulate(self, batch: dict[str, torch.Tensor], exploration: Exploration) -> tuple[float, dict]:
-        assert self.carry is not None
+    def _accumulate(self, batch: dict[str, torch.Tensor], step: Any) -> tuple[float, dict]:
         self.model.train()
         totals: dict[str, float] = {}
         loss_sum = 0.0
         for part in self.slices():
-            micro = {k: v[part] for k, v in batch.items()}
-            carry, outputs = self.model(self.carry[part], micro, exploration[part])
-            loss, metrics = act_loss(outputs, carry, global_batch_size=self.global_batch, compute_dtype=self.loss_dtype)
-            loss.backward()
-            self.carry.assign_(part, carry)
-            loss_sum += float(loss.detach())
+            loss, metrics = self.task.micro_step(batch, part, step)
+            loss_sum += loss
             for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + float(value)
-        return loss_sum, _rates(totals, self.global_batch)
+                totals[key] = totals.get(key, 0.0) + value
+        return loss_sum, self.task.rates(totals, self.global_batch)
 
-    def _discard_partial_step(self, saved: Carry) -> None:
-        """Forget the gradient and carry updates of a step that failed part-way."""
+    def _discard_partial_step(self, saved: Any) -> None:
+        """Forget the gradient and state updates (TRM's carry) of a step that failed part-way."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.sparse_optimizer is not None:
             self.sparse_optimizer.zero_grad()
-        self.carry = saved
+        self.task.restore(saved)
         devices.empty_cache(self.device)
 
     @property
@@ -239,48 +222,15 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, max_batches: int | None = None) -> dict[str, float]:
-        """Cell and exact accuracy of the EMA weights on the test split, with the halting steps used."""
+        """The task's scores of the EMA weights on the held-out split (TRM: cell and exact accuracy and halting
+        steps; language model: bits per byte; classifier: accuracy and macro-F1), each beside its baseline."""
         model, was_training = self.model, self.model.training
         model.eval()
         context = self.ema.swapped(model) if self.ema is not None else contextlib.nullcontext()
-        correct_cells = valid_cells = exact = count = steps_used = baseline_cells = 0.0
-        n = len(self.test_data)
-        size = self.micro_batch
         with context:
-            for b, start in enumerate(range(0, n, size)):
-                if max_batches is not None and b >= max_batches:
-                    break
-                idx = torch.arange(start, min(n, start + size)).numpy()
-                batch = {k: torch.from_numpy(v).long().to(self.device) for k, v in self.test_data.batch(idx).items()}
-                carry = model.initial_carry(batch)
-                done = torch.zeros(len(idx), dtype=torch.bool, device=self.device)
-                preds = torch.zeros_like(batch["labels"])
-                used = torch.zeros(len(idx), dtype=torch.int32, device=self.device)
-                for _ in range(self.config.model.halt_max_steps):
-                    carry, out = model(carry, batch)
-                    newly = carry.halted & ~done
-                    preds[newly] = out["logits"][newly].argmax(-1)
-                    used[newly] = carry.steps[newly]
-                    done |= carry.halted
-                    if bool(done.all()):
-                        break
-                labels = batch["labels"]
-                mask = labels != -100
-                hits = (preds == labels) & mask
-                correct_cells += float(hits.sum())
-                valid_cells += float(mask.sum())
-                exact += float((hits.sum(-1) == mask.sum(-1)).sum())
-                baseline_cells += float(((batch["inputs"] == labels) & mask).sum())
-                steps_used += float(used.sum())
-                count += len(idx)
+            result = self.task.evaluate(self.micro_batch, max_batches)
         model.train(was_training)
-        return {
-            "eval_cell_acc": correct_cells / max(1, valid_cells),
-            "eval_exact_acc": exact / max(1, count),
-            "eval_steps": steps_used / max(1, count),
-            "eval_copy_givens_acc": baseline_cells / max(1, valid_cells),
-            "eval_puzzles": count,
-        }
+        return result
 
     def close(self) -> None:
         """Release the batch stream (and its worker processes, if any)."""
@@ -295,11 +245,11 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "sparse_optimizer": self.sparse_optimizer.state_dict() if self.sparse_optimizer else None,
             "ema": self.ema.state_dict() if self.ema else None,
-            "carry": self.carry.to_dict() if self.carry is not None else None,
+            "carry": self.task.carry_state(),
             "cuts": list(self.cuts),
             "step": self.step,
             "samples_seen": self.samples_seen,
-            "rng": {"torch": torch.get_rng_state(), "explore": self.explore_rng.get_state()},
+            "rng": {"torch": torch.get_rng_state(), **self.task.rng_state()},
             "config": cfg.to_dict(self.config),
         }
 
@@ -318,26 +268,10 @@ class Trainer:
             self.sparse_optimizer.load_state_dict(state["sparse_optimizer"])
         if self.ema and state["ema"]:
             self.ema.load_state_dict(state["ema"])
-        self.carry = Carry.from_dict(state["carry"]).to(self.device) if state["carry"] is not None else None
+        self.task.load_carry(state["carry"], self.device)
         self.cuts = [int(c) for c in state["cuts"]]
         self.step = int(state["step"])
         self.samples_seen = int(state["samples_seen"])
         torch.set_rng_state(state["rng"]["torch"])
-        self.explore_rng.set_state(state["rng"]["explore"])
+        self.task.load_rng_state(state["rng"])
         self._batches = None  # restart the batch stream at the resumed step
-
-
-#: Loss-head metrics that are sums over the sequences that halted this step (the reference's convention).
-HALTED_RATES = ("accuracy", "exact_accuracy", "q_halt_accuracy", "steps")
-
-
-def _rates(totals: dict[str, float], batch_size: int) -> dict[str, float | None]:
-    """Turn the loss head's sums into rates: per halted sequence (None when none halted), losses per sample."""
-    halted = totals.get("count", 0.0)
-    out: dict[str, float | None] = {"halted": halted}
-    for key, value in totals.items():
-        if key in HALTED_RATES:
-            out[key] = value / halted if halted else None
-        elif key != "count":
-            out[key] = value / batch_size
-    return out
