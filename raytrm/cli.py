@@ -65,13 +65,25 @@ TRAIN_FLAGS = {
     "--eval-interval": ("training", "eval_interval", int, "steps between evaluations"),
     "--log-interval": ("training", "log_interval", int, "steps between metrics lines"),
     "--checkpoint-interval": ("training", "checkpoint_interval", int, "steps between checkpoints"),
+    "--model": ("model", "name", str, "model family: trm or transformer (default trm)"),
+    "--task": ("model", "task", str, "transformer head: lm (next byte) or classify (documents)"),
+    "--seq-len": ("model", "seq_len", int, "transformer: bytes per training sequence"),
+    "--layers": ("model", "layers", int, "transformer blocks"),
     "--variant": ("model", "variant", str, "TRM variant: mlp_t or attention"),
     "--hidden-size": ("model", "hidden_size", int, "model width"),
     "--H-cycles": ("model", "H_cycles", int, "outer recursion rounds"),
     "--L-cycles": ("model", "L_cycles", int, "latent updates per round"),
     "--L-layers": ("model", "L_layers", int, "blocks in the network"),
     "--dataset": ("data", "name", str, "generated dataset: sudoku or maze"),
-    "--data": ("data", "path", str, "dataset directory in the TRM reference layout"),
+    "--data": (
+        "data",
+        "path",
+        str,
+        "TRM: dataset directory in the reference layout; transformer: a text file, a directory of text files, "
+        "or JSONL/CSV records (default: the Python standard library's sources)",
+    ),
+    "--text-field": ("data", "text_field", str, "transformer: JSONL field or CSV column of the text"),
+    "--label-field": ("data", "label_field", str, "transformer classify: JSONL field or CSV column of the label"),
     "--givens": ("data", "givens", int, "Sudoku clues per puzzle (fewer is harder)"),
     "--train-puzzles": ("data", "train_puzzles", int, "puzzles generated for training"),
 }
@@ -104,13 +116,29 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def format_summary(summary: dict, run_dir: object) -> str:
     """The end-of-run lines a person reads."""
+    tokens = f"{summary['tokens_per_sec']:.0f} tokens/s, " if "tokens_per_sec" in summary else ""
+    if "eval_bits_per_byte" in summary:
+        scores = (
+            f"eval on {summary['eval_bytes']:.0f} held-out bytes: {summary['eval_bits_per_byte']:.3f} bits per byte "
+            f"(the training bytes' unigram frequencies score {summary['eval_unigram_bits_per_byte']:.3f})"
+        )
+    elif "eval_macro_f1" in summary:
+        scores = (
+            f"eval on {summary['eval_documents']:.0f} held-out documents: accuracy {summary['eval_accuracy']:.3f} "
+            f"(always the majority class scores {summary['eval_majority_acc']:.3f}), "
+            f"macro-F1 {summary['eval_macro_f1']:.3f}"
+        )
+    else:
+        scores = (
+            f"eval on {summary['eval_puzzles']:.0f} puzzles: cell accuracy {summary['eval_cell_acc']:.3f} "
+            f"(copying the givens scores {summary['eval_copy_givens_acc']:.3f}), "
+            f"exact {summary['eval_exact_acc']:.3f}, {summary['eval_steps']:.1f} supervision steps"
+        )
     lines = [
         f"trained {summary['steps']} steps in {summary['train_seconds']:.1f} s "
-        f"({summary['samples_per_sec']:.1f} samples/s, {summary['device']} {summary['dtype']}), "
+        f"({summary['samples_per_sec']:.1f} samples/s, {tokens}{summary['device']} {summary['dtype']}), "
         f"peak memory {summary['peak_rss_mb']:.0f} MiB",
-        f"eval on {summary['eval_puzzles']:.0f} puzzles: cell accuracy {summary['eval_cell_acc']:.3f} "
-        f"(copying the givens scores {summary['eval_copy_givens_acc']:.3f}), "
-        f"exact {summary['eval_exact_acc']:.3f}, {summary['eval_steps']:.1f} supervision steps",
+        scores,
         f"run directory {run_dir}: metrics.jsonl, summary.json, checkpoint {summary['checkpoint']}",
     ]
     return "\n".join(lines)
@@ -151,6 +179,23 @@ def cmd_export_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from raytrm.tune.tuner import run_tune
+
+    if args.out and args.resume:
+        raise UserError("give --out for a new run or --resume RUN_DIR to continue one, not both")
+    run_tune(args.space, trials=args.trials, out=args.out, resume=args.resume, address=args.address)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from raytrm.tune.export import export_run
+
+    for tier, path in export_run(args.run_dir, tier=args.tier, out=args.out).items():
+        print(f"wrote the profile of tier {tier} to {path}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import tempfile
     import time
@@ -159,18 +204,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from raytrm.bench.trm import as_json, bench_trm, format_rows
     from raytrm.hardware.probe import detect
 
+    hidden = args.hidden or ([256, 512] if args.what == "transformer" else [128, 256, 512])
+    if args.what == "tune":
+        from raytrm.bench import tune as tune_bench
+
+        return tune_bench.cmd(args)
     if args.what == "memory":
         from raytrm.bench import memory
 
         with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
-            rows, overhead = memory.bench_memory(args.hidden, args.checks, args.threads, Path(work))
+            rows, overhead = memory.bench_memory(hidden, args.checks, args.threads, Path(work))
         print(memory.format_rows(rows, overhead))
         results: object = memory.as_json(rows, overhead)
+    elif args.what == "transformer":
+        from raytrm.bench import transformer
+
+        with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
+            tf_rows = transformer.bench_transformer(
+                args.seq_lens, hidden, args.batch, args.threads, args.device, Path(work), args.repeats, args.dtype
+            )
+        print(transformer.format_rows(tf_rows))
+        results = transformer.as_json(tf_rows)
     else:
         with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
             trm_rows = bench_trm(
                 args.variants,
-                args.hidden,
+                hidden,
                 args.batch,
                 args.threads,
                 args.device,
@@ -233,6 +292,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, dest=_flag_dest(flag), type=kind, default=None, help=text)
     p.set_defaults(func=cmd_train)
 
+    p = sub.add_parser("tune", help="autotune each machine tier with Ray Tune + Optuna and export a profile per tier")
+    p.add_argument("--space", metavar="FILE", help="search space: a file or a name in tune_spaces/ (default: quick)")
+    p.add_argument("--trials", type=int, default=None, help="trials per tier (default: the space's)")
+    p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/tune-<time>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a tuning run whose driver stopped")
+    p.add_argument("--address", help="Ray cluster: auto or HOST:PORT (default: start a local Ray)")
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("export", help="write the profile of a tuning run's best settings")
+    p.add_argument("run_dir", help="a `raytrm tune` run directory")
+    p.add_argument("--tier", help="the tier to export (default: every tuned tier, into RUN_DIR/profiles/)")
+    p.add_argument("--out", metavar="FILE", help="profile file to write (with --tier)")
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("import-checkpoint", help="load a TRM reference checkpoint into a new raytrm run")
     p.add_argument("checkpoint", help="a state_dict saved by the reference (keys _orig_mod.model.inner.*)")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory to create")
@@ -248,9 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure training throughput against this machine's matmul ceiling")
     p.add_argument(
         "what",
-        choices=("trm", "memory"),
-        help="trm: TRM training samples/s and fraction of the matmul rate; memory: the memory model's prediction "
-        "error and the cost of per-step monitoring",
+        choices=("trm", "transformer", "memory", "tune"),
+        help="trm: TRM training samples/s and fraction of the matmul rate; transformer: byte-level LM training "
+        "tokens/s and fraction of the matmul rate; memory: the memory model's prediction error and the cost of "
+        "per-step monitoring",
+    )
+    p.add_argument(
+        "--seq-lens", nargs="+", type=int, default=[128, 256, 512], help="transformer: sequence lengths to time"
     )
     p.add_argument(
         "--checks",
@@ -260,7 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory: micro-batches to predict (divisors of the largest)",
     )
     p.add_argument("--variants", nargs="+", default=["mlp_t", "attention"], choices=("mlp_t", "attention"))
-    p.add_argument("--hidden", nargs="+", type=int, default=[128, 256, 512])
+    p.add_argument(
+        "--hidden",
+        nargs="+",
+        type=int,
+        default=None,
+        help="widths (default: 128 256 512; transformer: 256 512)",
+    )
     p.add_argument("--batch", type=int, default=16, help="global batch (one micro-batch)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="auto")
@@ -273,6 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a checkout of the TRM reference (SamsungSAILMontreal/TinyRecursiveModels): add its training step's row"
         " beside each raytrm row, measured in the same run",
     )
+    p.add_argument("--space", metavar="FILE", help="tune: the space whose grid is measured (default: quick)")
+    p.add_argument("--table", metavar="FILE", help="tune: the measured grid (JSON), written by --measure")
+    p.add_argument("--measure", action="store_true", help="tune: measure the whole grid first (long)")
+    p.add_argument("--seeds", type=int, default=10, help="tune: replay seeds per method")
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -14,6 +14,17 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "raytrm"
 LOG_LEVEL_ENV = "RAYTRM_LOG_LEVEL"
 DEFAULT_LOG_LEVEL = "INFO"
 
+#: Ray custom resource every raytrm node advertises one unit of: a tuning trial takes it, so trials that share a
+#: machine never run at once while different machines run in parallel.
+RESOURCE_MACHINE = "raytrm_machine"
+#: Prefix of the per-tier Ray resource a node advertises ("raytrm_tier:<tier name>", one unit); see tier_resource.
+TIER_RESOURCE_PREFIX = "raytrm_tier:"
+
+
+def tier_resource(tier: str) -> str:
+    """The Ray resource name that marks a node as a machine of `tier`."""
+    return f"{TIER_RESOURCE_PREFIX}{tier}"
+
 
 def spaces_dir() -> Path:
     """The tune_spaces directory: $RAYTRM_SPACES_DIR, else the checkout's tune_spaces/."""

@@ -1,0 +1,68 @@
+"""The live view of a tuning run: one line per finished trial, as Ray Tune reports it."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+from ray.tune import Callback
+
+from raytrm.tune import objectives
+
+
+def format_params(params: dict[str, Any]) -> str:
+    """`micro_batch_size=16 threads=2 lr=0.0031`: the field names without their section."""
+    parts = []
+    for name, value in params.items():
+        short = name.rsplit(".", 1)[-1]
+        parts.append(f"{short}={value:.3g}" if isinstance(value, float) else f"{short}={value}")
+    return " ".join(parts)
+
+
+def trial_line(result: dict[str, Any], objective: str) -> str:
+    """One finished trial: tier and number, feasibility, objective, samples/s, peak vs budget, params."""
+    cons = objectives.constraints(result)
+    violated = [k for k, v in cons.items() if v > 0]
+    values = objectives.objective_values(result, objective)
+    names = objectives.metric_names(objective)
+    shown = " ".join(f"{n}={v:.4g}" for n, v in zip(names, values, strict=True))
+    budget = result.get("memory_budget_mb")
+    peak = f"{result.get('peak_memory_mb') or 0:.0f}" + (f"/{budget:.0f}" if budget else "")
+    status = "feasible" if not violated else "INFEASIBLE(" + ",".join(violated) + ")"
+    line = (
+        f"[{result.get('tier', '?')} #{result.get('trial_number', '?')}] {status} {shown} "
+        f"samples/s={result.get('samples_per_sec') or 0:.1f} peak_mb={peak} "
+        f"thermal={result.get('thermal_max', 'unknown')} | {format_params(result.get('params') or {})}"
+    )
+    if result.get("error"):
+        line += f" | {str(result['error'])[:120]}"
+    return line
+
+
+class TrialProgress(Callback):
+    """A Tune callback that prints `trial_line` for every completed or errored trial."""
+
+    def __init__(self, stream: TextIO = sys.stdout, objective: str = "quality") -> None:
+        self.stream, self.objective = stream, objective
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Tune pickles its run config into the experiment state; the live callback keeps its stream.
+        return {"objective": self.objective}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.stream, self.objective = sys.stdout, state["objective"]
+
+    def _print(self, trial: Any, failed: bool) -> None:
+        result = dict(trial.last_result or {})
+        result.setdefault("tier", trial.config.get("tier"))
+        result.setdefault("trial_number", trial.config.get("trial_number"))
+        result.setdefault("params", trial.config.get("params"))
+        if failed or "status" not in result:
+            result.update(status="failed", error=result.get("error") or "the trial process died")
+        print(trial_line(result, self.objective), file=self.stream, flush=True)
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._print(trial, failed=False)
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._print(trial, failed=True)

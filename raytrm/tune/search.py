@@ -1,0 +1,112 @@
+"""The sampler, and how a trial's measurements reach it: one code path for Ray Tune, the tests and the bench replay.
+
+`record` turns a result into objective values plus optuna 5 constraints (trial.set_constraint, value <= 0
+feasible) and tells the study; TPE and GP read the constraints and learn the boundary of the feasible region. Ray Tune
+drives the study through raytrm.tune.ray_search (an OptunaSearch whose on_trial_complete calls `record` instead of
+a bare tell, so an out-of-memory, killed or overheated trial is a COMPLETE trial with a violated constraint, never a
+FAIL the sampler ignores). This module needs no Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import optuna
+
+from raytrm.tune import objectives
+from raytrm.tune.space import ParamSpec, SearchSpace, suggest
+
+logger = logging.getLogger(__name__)
+
+#: Result keys kept on the optuna trial (user attributes), so export needs only the study.
+KEPT = (
+    "status",
+    "error",
+    "samples_per_sec",
+    "peak_memory_mb",
+    "predicted_memory_mb",
+    "thermal_max",
+    "throughput_decay",
+    "quality",
+    "steps",
+    "measure_seconds",
+    "memory_budget_mb",
+    "thermal_cap",
+    "max_throughput_decay",
+    "eval",
+    "tier",
+    "experiment",
+    "hardware",
+    "node_id",
+    "started_at",
+    "ended_at",
+)
+
+
+def make_sampler(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
+    """The space's sampler; TPE and GP use the trials' constraints (optuna 5 reads trial.constraints)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if space.sampler == "random":
+            return optuna.samplers.RandomSampler(seed=seed)
+        if space.sampler == "gp":
+            return optuna.samplers.GPSampler(seed=seed, n_startup_trials=space.n_startup)
+        return optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=space.n_startup, multivariate=True, constant_liar=True
+        )
+
+
+def directions(objective: str) -> list[str]:
+    return ["maximize"] * len(objectives.metric_names(objective))
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return json.loads(json.dumps(value, default=str))
+
+
+def record(study: optuna.Study, trial: optuna.Trial, result: dict[str, Any], objective: str) -> dict[str, float]:
+    """Set the result's constraints and measurements on the trial and tell the study; returns the constraints."""
+    cons = objectives.constraints(result)
+    for key, value in cons.items():
+        trial.set_constraint(key, value)
+    for key in KEPT:
+        if result.get(key) is not None:
+            trial.set_user_attr(key, _jsonable(result[key]))
+    values = objectives.objective_values(result, objective)
+    study.tell(trial, values if len(values) > 1 else values[0])
+    return cons
+
+
+def failed_result(result: dict[str, Any] | None, why: str) -> dict[str, Any]:
+    """A result for a trial that died before it reported: what it last said, status failed, worst objectives."""
+    out = dict(result or {})
+    out["status"] = "failed"
+    out.setdefault("error", why)
+    return out
+
+
+def optimize(
+    study: optuna.Study, params: dict[str, ParamSpec], fn: Callable[[dict], dict], n_trials: int, objective: str
+) -> None:
+    """Run n trials of fn in this process: ask, suggest, measure, record (the tests' and the replay's loop)."""
+    for _ in range(n_trials):
+        trial = study.ask()
+        values = suggest(trial, params)
+        try:
+            result = fn(values)
+        except Exception as exc:  # the same rule as in a Ray trial: a crash is an infeasible point, not a gap
+            result = failed_result(None, f"{type(exc).__name__}: {exc}")
+        record(study, trial, result, objective)
+
+
+def completed_count(study: optuna.Study) -> int:
+    """Trials that count toward the requested number: COMPLETE, feasible or not (failed ones are COMPLETE too)."""
+    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))

@@ -1,0 +1,424 @@
+"""Search space files (tune_spaces/*.yaml): the base experiment, the parameters to search, objective, budget, limits.
+
+A file is validated completely before any trial runs: unknown keys, empty or inverted ranges, parameters that do not
+apply to the model, tier names not in tiers.yaml, and parameter values that would build an invalid experiment (a
+micro-batch that does not divide the global batch, a cycle count of zero) are one clear line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import fnmatch
+import itertools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raytrm import config as cfg
+from raytrm.config import THERMAL_STATES, spec
+from raytrm.constants import spaces_dir
+from raytrm.errors import ConfigError, UserError
+
+SPACE_SCHEMA_VERSION = 1
+DEFAULT_SPACE = "quick"
+OBJECTIVES = ("quality", "throughput", "pareto")
+PARAM_TYPES = ("int", "float", "log", "categorical")
+#: Training fields that define the run rather than its speed or quality: the budget sets them for every trial.
+NOT_SEARCHABLE = {"steps", "time_budget_s", "log_interval", "eval_interval", "checkpoint_interval", "device"}
+BATCH_FIELDS = ("training.global_batch_size", "training.micro_batch_size", "training.grad_accum_steps")
+#: Tier names that tiers.yaml does not list but a machine can have: the generic tier of an unlisted machine.
+GENERIC_TIER_GLOB = "generic-*"
+
+
+@dataclass
+class ParamSpec:
+    """One searched parameter: an int or float range (optionally log or stepped), or a list of choices."""
+
+    type: str = spec("int", "int, float, log (a float on a log scale) or categorical", choices=PARAM_TYPES)
+    low: int | float | None = spec(None, "smallest value (int, float, log)")
+    high: int | float | None = spec(None, "largest value, included (int, float, log)")
+    step: int | float | None = spec(
+        None, "spacing of the values (int, float); None = 1 for int, continuous float", gt=0
+    )
+    log: bool = spec(False, "sample on a log scale (int, float)")
+    choices: list | None = spec(None, "the values to choose from (categorical)")
+
+    def values(self) -> list | None:
+        """Every value, where the parameter is discrete and small enough to enumerate; else None."""
+        if self.type == "categorical":
+            return list(self.choices or [])
+        if self.type == "int":
+            step = int(self.step or 1)
+            n = (int(self.high) - int(self.low)) // step + 1
+            return list(range(int(self.low), int(self.high) + 1, step)) if n <= 4096 else None
+        return None
+
+    def extremes(self) -> list:
+        """Values that exercise the range: every choice, or both ends."""
+        return self.values() if self.type == "categorical" else [self.low, self.high]
+
+
+@dataclass
+class Budget:
+    """How long each trial runs, in wall-clock seconds."""
+
+    warmup_s: float = spec(5.0, "training before measuring (compilation, allocator, caches)", ge=0)
+    measure_s: float = spec(20.0, "measured window: samples/s, peak memory, heat and throughput decay", gt=0)
+    eval_puzzles: int | None = spec(64, "test puzzles evaluated at the end of a trial; None = the whole split", ge=1)
+    verify_s: float | None = spec(
+        None, "measured window of the verification re-run of the best settings; None = measure_s", gt=0
+    )
+    decay_window: float = spec(
+        0.25, "share of the measured window at each end compared for throughput decay", gt=0, le=0.5
+    )
+
+
+@dataclass
+class TierLimits:
+    """Per-tier override of tiers.yaml's limits."""
+
+    memory_budget_mb: int | None = spec(None, "training memory budget in MiB", ge=64)
+    thermal_cap: str | None = spec(None, "hottest thermal state tolerated", choices=THERMAL_STATES)
+
+
+@dataclass
+class SpaceLimits:
+    """Limits a trial must respect; memory and heat default to the tier's row in tiers.yaml."""
+
+    memory_budget_mb: int | None = spec(None, "memory budget for every tier, overriding tiers.yaml", ge=64)
+    thermal_cap: str | None = spec(None, "thermal cap for every tier, overriding tiers.yaml", choices=THERMAL_STATES)
+    max_throughput_decay: float = spec(
+        0.3, "largest tolerated drop of samples/s from the start to the end of the measured window", gt=0, le=1
+    )
+    tiers: dict = spec({}, "tier name -> {memory_budget_mb, thermal_cap}: overrides for one tier")
+
+
+@dataclass
+class Pareto:
+    """How one point is picked from the (quality, throughput) Pareto front."""
+
+    throughput_slack: float = spec(
+        0.1, "pick the highest quality among front points within this fraction of the best throughput", ge=0, le=1
+    )
+
+
+@dataclass
+class SearchSpace:
+    """A tune space file."""
+
+    raytrm_space: int = spec(SPACE_SCHEMA_VERSION, "schema version", choices=(SPACE_SCHEMA_VERSION,))
+    name: str = spec("", "study name; default: the file name")
+    description: str = spec("", "one line for people")
+    base: dict = spec({}, "the base experiment: model, data and training sections, as in a training config")
+    params: dict = spec({}, "dotted config path -> {type, low, high, step, log, choices}")
+    objective: str = spec("quality", "quality, throughput or pareto (both)", choices=OBJECTIVES)
+    quality_metric: str = spec("eval_cell_acc", "evaluation metric that measures quality (higher is better)")
+    pareto: Pareto = spec(Pareto(), "how one point is picked from the Pareto front")
+    budget: Budget = spec(Budget(), "wall-clock budget of each trial")
+    trials: int = spec(12, "trials per tier", ge=1)
+    startup_trials: int | None = spec(None, "random trials before the model-based sampler; None = trials / 4", ge=1)
+    sampler: str = spec("tpe", "tpe (default), gp (needs scipy) or random", choices=("tpe", "gp", "random"))
+    pruner: str = spec("none", "early stopping: none (trials are short and measure a fixed window)", choices=("none",))
+    seed: int = spec(0, "sampler seed")
+    start_with: list = spec([], "parameter sets tried first (e.g. the hand-written defaults), before sampling")
+    limits: SpaceLimits = spec(SpaceLimits(), "memory, heat and throughput-decay limits")
+    tiers: list = spec([], "tune only these tiers; [] = every tier with a machine in the Ray cluster")
+
+    # Filled by load_space: the validated pieces.
+    source: str = dataclasses.field(default="<space>", metadata={"doc": "internal"})
+    parsed: dict = dataclasses.field(default_factory=dict, metadata={"doc": "internal"})
+
+    @property
+    def n_startup(self) -> int:
+        return self.startup_trials or max(2, min(10, self.trials // 4))
+
+    @property
+    def verify_s(self) -> float:
+        return self.budget.verify_s or self.budget.measure_s
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's content, as it would be written back (for the run directory's copy)."""
+        out = cfg.to_dict(self)
+        out.pop("source"), out.pop("parsed")
+        return out
+
+
+def resolve_space_path(path: str | os.PathLike | None) -> Path:
+    """The space file: a path, a name in tune_spaces/ ('sudoku'), or the quick default."""
+    if path is None:
+        return spaces_dir() / f"{DEFAULT_SPACE}.yaml"
+    p = Path(path)
+    if not p.exists() and not p.suffix and (spaces_dir() / f"{p}.yaml").is_file():
+        return spaces_dir() / f"{p}.yaml"
+    return p
+
+
+def load_space(path: str | os.PathLike | None = None) -> SearchSpace:
+    """Read and validate a space file (see the module docstring)."""
+    p = resolve_space_path(path)
+    data = cfg.read_yaml(p)
+    if isinstance(data, dict) and "raytrm_space" not in data:
+        raise ConfigError(
+            str(p),
+            "raytrm_space",
+            None,
+            f"schema version {SPACE_SCHEMA_VERSION}",
+            "this is not a search space; add `raytrm_space: 1` or pick a file in tune_spaces/",
+        )
+    return space_from_dict(data, str(p), default_name=p.stem)
+
+
+def space_from_dict(data: Any, source: str, default_name: str = "study") -> SearchSpace:
+    """Validate a space given as a mapping; source names it in errors."""
+    if isinstance(data, dict) and ("source" in data or "parsed" in data):
+        raise UserError(f"{source}: 'source' and 'parsed' are not space fields; remove them")
+    space = cfg.from_dict(SearchSpace, data, source)
+    space.source, space.name = source, space.name or default_name
+    base = cfg.from_dict(cfg.ExperimentConfig, space.base, source, "base")
+    if not space.params:
+        raise ConfigError(
+            source,
+            "params",
+            space.params,
+            "at least one parameter to search",
+            "add e.g. training.micro_batch_size: {type: categorical, choices: [16, 32, 64]}",
+        )
+    parsed = {name: _param(name, raw, base, source) for name, raw in space.params.items()}
+    _check_tiers(space, source)
+    if space.sampler == "gp":
+        import importlib.util
+
+        if importlib.util.find_spec("scipy") is None:
+            raise ConfigError(
+                source,
+                "sampler",
+                "gp",
+                "tpe or random, or scipy installed",
+                "pip install scipy (Optuna's GP sampler needs it), or use sampler: tpe",
+            )
+    space.parsed = parsed
+    for i, point in enumerate(space.start_with):
+        if not isinstance(point, dict) or set(point) - set(parsed):
+            raise ConfigError(
+                source,
+                f"start_with[{i}]",
+                point,
+                "a mapping of searched parameters to values",
+                f"use names from params: {', '.join(parsed)}",
+            )
+        _try_build(space, point, f"start_with[{i}]", list(point))
+    _check_combinations(space, base)
+    return space
+
+
+def _param(name: str, raw: Any, base: cfg.ExperimentConfig, source: str) -> ParamSpec:
+    where = f"params.{name}"
+    section, _, field = str(name).partition(".")
+    sections = {"model": cfg.ModelConfig, "training": cfg.TrainConfig}
+    if section not in sections or not field or "." in field:
+        fix = (
+            "data settings define the task: fix them in base.data"
+            if section == "data"
+            else ("name a field as model.FIELD or training.FIELD")
+        )
+        raise ConfigError(source, where, name, "a dotted path model.FIELD or training.FIELD", fix)
+    fields = {f.name for f in dataclasses.fields(sections[section])}
+    if field not in fields:
+        import difflib
+
+        close = difflib.get_close_matches(field, fields, n=1)
+        hint = f"did you mean {section}.{close[0]}?" if close else f"known: {', '.join(sorted(fields))}"
+        raise ConfigError(source, where, name, f"a field of {section}", hint)
+    if section == "model" and field not in cfg.model_fields(base.model.name):
+        raise ConfigError(
+            source,
+            where,
+            name,
+            f"a field that applies to {base.model.name} models",
+            "remove it, or set base.model.name to a family it applies to",
+        )
+    if (section, field) in {("model", "name")} or (section == "training" and field in NOT_SEARCHABLE):
+        raise ConfigError(
+            source,
+            where,
+            name,
+            "a parameter that changes speed or quality",
+            "the budget section sets the run length; set fixed values in base",
+        )
+    p = cfg.from_dict(ParamSpec, raw, source, where)
+    if p.type == "log":
+        p.type, p.log = "float", True
+    if p.type == "categorical":
+        if p.low is not None or p.high is not None or p.step is not None or p.log:
+            raise ConfigError(source, where, raw, "only choices for a categorical parameter", "drop low/high/step/log")
+        if not p.choices or len(p.choices) < 2:
+            raise ConfigError(
+                source,
+                where + ".choices",
+                p.choices,
+                "at least two values",
+                "a single value is not a search: set it in base",
+            )
+        if len(set(map(repr, p.choices))) != len(p.choices):
+            raise ConfigError(source, where + ".choices", p.choices, "distinct values", "remove the duplicates")
+        if not all(c is None or isinstance(c, (int, float, str, bool)) for c in p.choices):
+            raise ConfigError(source, where + ".choices", p.choices, "numbers, strings, booleans or null")
+        return p
+    if p.choices is not None:
+        raise ConfigError(
+            source,
+            where + ".choices",
+            p.choices,
+            f"no choices for a {p.type} range",
+            "use type: categorical, or drop choices",
+        )
+    if p.low is None or p.high is None:
+        raise ConfigError(source, where, raw, "low and high for a range", "add low: and high:")
+    if p.type == "int" and not all(isinstance(v, int) for v in (p.low, p.high, p.step or 1)):
+        raise ConfigError(source, where, raw, "integer low, high and step for an int parameter", "use type: float")
+    if p.low >= p.high:
+        word = "empty" if p.low == p.high else "inverted"
+        raise ConfigError(
+            source,
+            where,
+            f"low={p.low}, high={p.high}",
+            "low < high",
+            f"the range is {word}: swap or widen it (a single value belongs in base)",
+        )
+    if p.log and (p.low <= 0 or p.step is not None):
+        raise ConfigError(source, where, raw, "low > 0 and no step for a log scale", "drop step or log")
+    if p.step is not None and p.type == "int" and (p.high - p.low) % p.step:
+        raise ConfigError(source, where, raw, "high - low a multiple of step", "adjust high to the grid")
+    return p
+
+
+def _check_tiers(space: SearchSpace, source: str) -> None:
+    from raytrm.hardware.tiers import load_tiers
+
+    known = {row.name for row in load_tiers()}
+    for i, name in enumerate(space.tiers):
+        if name not in known and not fnmatch.fnmatchcase(str(name), GENERIC_TIER_GLOB):
+            raise ConfigError(
+                source,
+                f"tiers[{i}]",
+                name,
+                "a tier name from tiers.yaml (or generic-*)",
+                "check the name with `raytrm probe` or tune_spaces/tiers.yaml",
+            )
+    for name, raw in space.limits.tiers.items():
+        if name not in known and not fnmatch.fnmatchcase(str(name), GENERIC_TIER_GLOB):
+            raise ConfigError(
+                source,
+                f"limits.tiers.{name}",
+                name,
+                "a tier name from tiers.yaml (or generic-*)",
+                "check the name with `raytrm probe` or tune_spaces/tiers.yaml",
+            )
+        cfg.from_dict(TierLimits, raw, source, f"limits.tiers.{name}")
+
+
+def tier_limits(space: SearchSpace, tier: str) -> TierLimits:
+    """The space's override of a tier's limits (fields left None come from tiers.yaml)."""
+    own = cfg.from_dict(TierLimits, space.limits.tiers.get(tier) or {}, space.source)
+    return TierLimits(
+        memory_budget_mb=own.memory_budget_mb or space.limits.memory_budget_mb,
+        thermal_cap=own.thermal_cap or space.limits.thermal_cap,
+    )
+
+
+def build_experiment(base: dict[str, Any], params: dict[str, Any], source: str = "<trial>") -> cfg.ExperimentConfig:
+    """The experiment of one trial: base + searched values, with the batch cut kept consistent.
+
+    A searched micro-batch sets the accumulation to global / micro (the global batch, the statistical setting,
+    stays); a searched accumulation leaves the micro-batch to follow from it.
+    """
+    data = copy.deepcopy(base)
+    for path, value in params.items():
+        section, field = path.split(".", 1)
+        data.setdefault(section, {})[field] = value
+    training = data.setdefault("training", {})
+    global_batch = training.get("global_batch_size", cfg.TrainConfig().global_batch_size)
+    if "training.micro_batch_size" in params and "training.grad_accum_steps" not in params:
+        micro = params["training.micro_batch_size"]
+        training["grad_accum_steps"] = max(1, global_batch // micro) if micro else 1
+        if micro and global_batch % micro:
+            training["grad_accum_steps"] = -1  # fails validation below, naming the micro-batch
+    elif "training.grad_accum_steps" in params and "training.micro_batch_size" not in params:
+        training["micro_batch_size"] = None
+    return cfg.from_dict(cfg.ExperimentConfig, data, source)
+
+
+def _check_combinations(space: SearchSpace, base: cfg.ExperimentConfig) -> None:
+    """Every batch combination, and each other parameter at its extremes, builds a valid experiment."""
+    params: dict[str, ParamSpec] = space.parsed
+    if "training.micro_batch_size" in params and "training.grad_accum_steps" in params:
+        raise ConfigError(
+            space.source,
+            "params.training.grad_accum_steps",
+            "searched with micro_batch_size",
+            "one of the two",
+            "search the micro-batch; the accumulation follows from the global batch",
+        )
+    batch = [name for name in BATCH_FIELDS if name in params]
+    enumerable = {name: params[name].values() for name in batch}
+    for name, values in enumerable.items():
+        if values is None:
+            raise ConfigError(space.source, f"params.{name}", "a huge range", "a range of at most 4096 values")
+    for combo in itertools.product(*enumerable.values()):
+        values = dict(zip(batch, combo, strict=True))
+        _try_build(space, values, ", ".join(f"{k}={v}" for k, v in values.items()), batch)
+    for name, p in params.items():
+        if name in batch:
+            continue
+        for value in p.extremes():
+            _try_build(space, {name: value}, f"{name}={value}", [name])
+
+
+def _try_build(space: SearchSpace, values: dict[str, Any], what: str, names: list[str]) -> None:
+    try:
+        build_experiment(space.base, values, "<check>")
+    except ConfigError as e:
+        where = "params." + names[-1] if len(names) == 1 else "params"
+        fix = (
+            (
+                "search the micro-batch among divisors of the global batch (categorical choices), or search "
+                "training.grad_accum_steps"
+            )
+            if any(n in BATCH_FIELDS for n in names)
+            else "narrow the range"
+        )
+        raise ConfigError(
+            space.source, where, what, f"values that build a valid experiment ({e.path}: expected {e.expected})", fix
+        ) from None
+    except UserError as e:
+        raise UserError(f"{space.source}: {what} builds an invalid experiment: {e}") from None
+
+
+def suggest(trial: Any, params: dict[str, ParamSpec]) -> dict[str, Any]:
+    """Ask an optuna.Trial for one value of every parameter (define-by-run, so the tuner and tests share it)."""
+    out = {}
+    for name, p in params.items():
+        if p.type == "categorical":
+            out[name] = trial.suggest_categorical(name, p.choices)
+        elif p.type == "int":
+            out[name] = trial.suggest_int(name, int(p.low), int(p.high), step=int(p.step or 1), log=p.log)
+        else:
+            out[name] = trial.suggest_float(name, float(p.low), float(p.high), step=p.step, log=p.log)
+    return out
+
+
+def distributions(params: dict[str, ParamSpec]) -> dict[str, Any]:
+    """The optuna distributions of the parameters (for create_trial and replays)."""
+    import optuna.distributions as od
+
+    out: dict[str, Any] = {}
+    for name, p in params.items():
+        if p.type == "categorical":
+            out[name] = od.CategoricalDistribution(p.choices)
+        elif p.type == "int":
+            out[name] = od.IntDistribution(int(p.low), int(p.high), step=int(p.step or 1), log=p.log)
+        else:
+            out[name] = od.FloatDistribution(float(p.low), float(p.high), step=p.step, log=p.log)
+    return out

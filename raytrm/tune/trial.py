@@ -1,0 +1,252 @@
+"""One tuning trial: the plain Trainer, run for a warm-up and a measured window, then a small evaluation.
+
+A trial measures one thing (DESIGN.md invariant 4): sustained samples/s after warm-up, the peak memory of its steps
+(PeakMemory: the kernel's high-water mark on Linux), the hottest thermal state seen ("unknown" without a sensor),
+the throughput decay from the start to the end of the window, and the validation quality at the end of its budget.
+Before the full micro-batch runs, two probe steps at a quarter and a half of it fit the memory model; a predicted
+peak over the budget stops the trial as over budget, with the prediction, rather than letting the kernel kill it.
+A trial that fails reports what it measured and status "failed": it never vanishes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from raytrm import config as cfg
+from raytrm.config import THERMAL_STATES
+
+logger = logging.getLogger(__name__)
+
+MiB = 2**20
+PROBE_MIN_MICRO = 4  # below this the probe steps would cost more than they tell
+
+
+def resolve_for_node(experiment: dict[str, Any], limits: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Fill what the node decides: threads and loader workers from its tier, and limits the tier table leaves open.
+
+    The profile then records concrete values, so `raytrm train --profile` runs what the trial measured.
+    """
+    from raytrm.hardware.probe import detect
+    from raytrm.hardware.tiers import match_tier
+
+    experiment, limits = copy.deepcopy(experiment), dict(limits)
+    hw = detect()
+    tier = match_tier(hw)
+    training = experiment.setdefault("training", {})
+    for key, value in (
+        ("threads", tier.threads),
+        ("interop_threads", tier.interop_threads),
+        ("dataloader_workers", tier.dataloader_workers),
+    ):
+        if training.get(key) is None:
+            training[key] = value
+    limits.setdefault("memory_budget_mb", None)
+    limits.setdefault("thermal_cap", None)
+    limits["memory_budget_mb"] = limits["memory_budget_mb"] or tier.memory_budget_mb
+    limits["thermal_cap"] = limits["thermal_cap"] or tier.thermal_cap
+    hardware = {
+        "chip": hw.chip,
+        "model": hw.model_name,
+        "memory_gb": round(hw.memory_gb, 2),
+        "device": hw.device,
+        "performance_cores": hw.performance_cores,
+        "efficiency_cores": hw.efficiency_cores,
+    }
+    return experiment, {**limits, "hardware": hardware}
+
+
+def _hotter(a: str | None, b: str | None) -> str | None:
+    known = [s for s in (a, b) if s in THERMAL_STATES]
+    return max(known, key=THERMAL_STATES.index) if known else None
+
+
+def measure(
+    experiment: dict[str, Any],
+    *,
+    warmup_s: float,
+    measure_s: float,
+    memory_budget_mb: float | None,
+    thermal_cap: str | None,
+    max_throughput_decay: float,
+    quality_metric: str = "eval_cell_acc",
+    eval_puzzles: int | None = 64,
+    decay_window: float = 0.25,
+    thermal_reader: Any = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Any]:
+    """Train the experiment for warm-up + measured window and return the trial's measurements (never raises)."""
+    from raytrm.hardware.thermal import ThermalReader
+    from raytrm.train import memory as memory_model
+    from raytrm.train.peak import PeakMemory
+    from raytrm.train.trainer import Trainer
+
+    result: dict[str, Any] = {
+        "status": "ok",
+        "samples_per_sec": 0.0,
+        "peak_memory_mb": 0.0,
+        "predicted_memory_mb": None,
+        "thermal_max": "unknown",
+        "throughput_decay": 0.0,
+        "quality": 0.0,
+        "steps": 0,
+        "memory_budget_mb": memory_budget_mb,
+        "thermal_cap": thermal_cap,
+        "max_throughput_decay": max_throughput_decay,
+        "started_at": time.time(),
+    }
+    thermal = thermal_reader or ThermalReader()
+    hottest: str | None = None
+    trainer = None
+    budget_bytes = memory_budget_mb * MiB if memory_budget_mb else math.inf
+    try:
+        config = cfg.from_dict(cfg.ExperimentConfig, experiment, "<trial>")
+        trainer = Trainer(config)
+        micro = config.training.micro_batch
+        start = clock()
+        peak = 0
+        # Memory pre-check: fit the memory model on two small cuts of the same global batch (real training steps,
+        # part of the warm-up), predict the asked micro-batch, and stop before a step the machine cannot hold.
+        if memory_budget_mb and micro >= PROBE_MIN_MICRO:
+            points = []
+            for probe in (micro // 4, micro // 2):
+                trainer.set_micro_batch(probe)
+                with PeakMemory(trainer.device.type) as pm:
+                    trainer.train_step()
+                points.append((probe, pm.bytes))
+                peak = max(peak, pm.bytes)
+            predicted = memory_model.fit(points).predict(micro)
+            result["predicted_memory_mb"] = predicted / MiB
+            trainer.set_micro_batch(micro)
+            if predicted > budget_bytes:
+                result.update(status="over_budget", peak_memory_mb=predicted / MiB, steps=trainer.step)
+                return result
+        window: list[tuple[float, int]] = []  # (end time, samples) of each measured step
+        window_start = None
+        while True:
+            now = clock()
+            if window_start is None and now - start >= warmup_s:
+                window_start = now
+                hottest = _hotter(hottest, thermal.read().get("thermal_state"))
+            if window_start is not None and now - window_start >= measure_s:
+                break
+            with PeakMemory(trainer.device.type) as pm:
+                step = trainer.train_step()
+            peak = max(peak, pm.bytes)
+            if window_start is not None:
+                window.append((clock(), step.samples))
+                if len(window) % 10 == 0:
+                    hottest = _hotter(hottest, thermal.read().get("thermal_state"))
+            if peak > budget_bytes:
+                result["status"] = "over_budget"
+                break
+            if (
+                hottest is not None
+                and thermal_cap
+                and THERMAL_STATES.index(hottest) > THERMAL_STATES.index(thermal_cap)
+            ):
+                result["status"] = "too_hot"  # stop: the constraint is violated and the machine should cool
+                break
+        hottest = _hotter(hottest, thermal.read().get("thermal_state"))
+        end = window[-1][0] if window else clock()
+        samples = sum(s for _, s in window)
+        result.update(
+            samples_per_sec=samples / max(end - window_start, 1e-9) if window_start is not None else 0.0,
+            peak_memory_mb=peak / MiB,
+            throughput_decay=_decay(window, window_start, decay_window),
+            steps=trainer.step,
+            measure_seconds=(end - window_start) if window_start is not None else 0.0,
+        )
+        if result["status"] == "ok":
+            # Evaluate a fixed number of puzzles, whatever the micro-batch, so qualities compare across trials.
+            trainer.set_micro_batch(config.training.global_batch_size)
+            batches = math.ceil(eval_puzzles / trainer.micro_batch) if eval_puzzles else None
+            scores = trainer.evaluate(max_batches=batches)
+            result["quality"] = float(scores.get(quality_metric, 0.0))
+            result["eval"] = scores
+    except Exception as exc:  # a failed trial reports what it measured, with the reason, and the study goes on
+        logger.warning("trial failed: %s: %s", type(exc).__name__, exc)
+        result.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+    finally:
+        if trainer is not None:
+            trainer.close()
+    result["thermal_max"] = hottest or "unknown"
+    result["ended_at"] = time.time()
+    return result
+
+
+def _decay(window: list[tuple[float, int]], window_start: float | None, share: float) -> float:
+    """Relative drop of samples/s from the first to the last `share` of the window (0 when too few steps)."""
+    if window_start is None or len(window) < 4:
+        return 0.0
+    times = [window_start] + [t for t, _ in window]
+    n = max(1, int(len(window) * share))
+    first = sum(s for _, s in window[:n]) / max(times[n] - times[0], 1e-9)
+    last = sum(s for _, s in window[-n:]) / max(times[-1] - times[-1 - n], 1e-9)
+    return max(0.0, (first - last) / first) if first > 0 else 0.0
+
+
+def run_trial(config: dict[str, Any], setup: dict[str, Any]) -> dict[str, Any]:
+    """A trial from the searcher's config ({tier, trial_number, params}) and the study's fixed setup."""
+    from raytrm.tune.space import build_experiment
+
+    tier, params = config["tier"], config.get("params", {})
+    base = build_experiment(setup["base"], params, "<trial>")  # validated before anything heavy starts
+    experiment, limits = resolve_for_node(cfg.to_dict(base), setup["limits"].get(tier, {}))
+    budget = setup["budget"]
+    result = measure(
+        experiment,
+        warmup_s=budget["warmup_s"],
+        measure_s=budget["measure_s"],
+        memory_budget_mb=limits["memory_budget_mb"],
+        thermal_cap=limits["thermal_cap"],
+        max_throughput_decay=setup["max_throughput_decay"],
+        quality_metric=setup["quality_metric"],
+        eval_puzzles=budget.get("eval_puzzles"),
+        decay_window=budget.get("decay_window", 0.25),
+    )
+    result.update(
+        tier=tier,
+        trial_number=config.get("trial_number"),
+        params=params,
+        experiment=experiment,
+        hardware=limits["hardware"],
+        node_id=_node_id(),
+    )
+    return result
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # outside Ray (tests, the bench) there is no node
+        return None
+
+
+def tune_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
+    """The Ray Tune function trainable: one trial, one report, and a copy of the result in the run directory."""
+    from ray import tune
+
+    result = run_trial(config, setup)
+    _save(result, setup.get("run_dir"))
+    tune.report(result)
+
+
+def _save(result: dict[str, Any], run_dir: str | None) -> None:
+    """Keep the result beside the study, so a resume can record a trial whose driver died before it could."""
+    if not run_dir or result.get("trial_number") is None:
+        return
+    path = Path(run_dir) / "trials" / f"{result['tier']}-{result['trial_number']}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, default=str))
+    except OSError as exc:  # another node's run directory may not be mounted here: the report still goes out
+        logger.debug("could not keep the trial result in %s: %s", path, exc)

@@ -1,0 +1,286 @@
+"""`raytrm tune`: one Optuna study per machine tier, driven by Ray Tune, stored in the run directory, resumable.
+
+The run directory holds tune.yaml (the space as validated, the tiers and the study names), study.db (the Optuna
+RDB storage: `optuna trials --study-name NAME --storage sqlite:///RUN_DIR/study.db` reads it), trials/ (each
+trial's result as JSON), ray/ (Ray Tune's own logs), verify/ (the re-run of each tier's best settings), profiles/
+(one profile per tier) and the plots.
+
+Resume: the study is the state. A resumed driver records trials whose result reached trials/ but not the study
+(its driver died between the two), marks trials that were still running as FAIL (they are not rerun: a FAIL does
+not count and a new trial, with a new suggestion, replaces it), and runs only what the requested count still needs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import optuna
+
+from raytrm import config as cfg
+from raytrm.constants import RESOURCE_MACHINE, TIER_RESOURCE_PREFIX, tier_resource
+from raytrm.errors import UserError
+from raytrm.tune import objectives
+from raytrm.tune.search import completed_count, record
+from raytrm.tune.space import SearchSpace, load_space, space_from_dict, tier_limits
+
+logger = logging.getLogger(__name__)
+
+TUNE_FILE, STUDY_DB, TRIALS_DIR, VERIFY_DIR, PROFILES_DIR = "tune.yaml", "study.db", "trials", "verify", "profiles"
+
+
+def storage_url(run_dir: Path) -> str:
+    return f"sqlite:///{run_dir.resolve() / STUDY_DB}"
+
+
+def study_name(space: SearchSpace, tier: str) -> str:
+    return f"{space.name}-{tier}"
+
+
+# -- Ray --------------------------------------------------------------------------------------------------------
+
+
+def connect(address: str | None) -> bool:
+    """Connect to Ray: the running one (tests), a cluster at address, or a local one started here. True if owned."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        if address != "auto":
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise UserError(f"--address {address}: expected auto or HOST:PORT, e.g. 192.168.1.10:6379")
+            try:
+                socket.create_connection((host, int(port)), timeout=3).close()
+            except OSError as e:
+                raise UserError(
+                    f"--address {address}: cannot reach a Ray head there ({e.strerror or e}); start it with "
+                    "`ray start --head` or check the address and the firewall"
+                ) from None
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise UserError(f"--address {address}: could not join the Ray cluster: {str(e).splitlines()[0]}") from None
+        return True
+    from raytrm.hardware.probe import detect
+    from raytrm.hardware.tiers import match_tier
+
+    tier = match_tier(detect())
+    ray.init(
+        num_cpus=os.cpu_count() or 1,
+        include_dashboard=False,
+        resources={RESOURCE_MACHINE: 1, tier_resource(tier.name): 1},
+    )
+    logger.info("started a local Ray: one machine of tier %s", tier.name)
+    return True
+
+
+def cluster_tiers() -> dict[str, int]:
+    """Tier name -> number of alive machines advertising it (and one raytrm machine unit)."""
+    import ray
+
+    tiers: dict[str, int] = {}
+    for node in ray.nodes():
+        res = node.get("Resources", {}) if node.get("Alive") else {}
+        if res.get(RESOURCE_MACHINE):
+            for key in res:
+                if key.startswith(TIER_RESOURCE_PREFIX):
+                    name = key[len(TIER_RESOURCE_PREFIX) :]
+                    tiers[name] = tiers.get(name, 0) + 1
+    if not tiers:
+        raise UserError(
+            "the Ray cluster has no raytrm machine: start each node with "
+            f"""`ray start ... --resources='{{"{RESOURCE_MACHINE}": 1, "{TIER_RESOURCE_PREFIX}TIER": 1}}'` """
+            "(`raytrm probe` names the tier)"
+        )
+    return tiers
+
+
+def trial_resources(tier: str) -> dict[str, float]:
+    """One machine unit of the tier's node: trials that share a machine never run at once."""
+    return {"CPU": 1, RESOURCE_MACHINE: 1, tier_resource(tier): 1}
+
+
+# -- the run directory --------------------------------------------------------------------------------------------
+
+
+def _limits(space: SearchSpace, tier: str) -> dict[str, Any]:
+    """The space's override, else tiers.yaml's row; a tier not listed there (generic) is left to its node."""
+    from raytrm.hardware.tiers import load_tiers
+
+    own = tier_limits(space, tier)
+    row = next((r for r in load_tiers() if r.name == tier), None)
+    return {
+        "memory_budget_mb": own.memory_budget_mb or (row.memory_budget_mb if row else None),
+        "thermal_cap": own.thermal_cap or (row.thermal_cap if row else None),
+    }
+
+
+def _prepare_data(space: SearchSpace) -> None:
+    """Generate the dataset once here, before trials on this machine's nodes race to build it."""
+    from raytrm.data.cache import dataset_dir_for
+
+    data = cfg.from_dict(cfg.ExperimentConfig, space.base, space.source, "base").data
+    try:
+        dataset_dir_for(data)
+    except Exception as e:  # trials will report the same problem with the trial's own config
+        logger.warning("could not prepare the dataset here: %s", e)
+
+
+def _recover(study: optuna.Study, tier: str, run_dir: Path, objective: str) -> None:
+    """Finish the trials a dead driver left RUNNING: record a saved result, or mark FAIL (not rerun)."""
+    states = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)
+    for t in study.get_trials(deepcopy=False, states=states):
+        saved = run_dir / TRIALS_DIR / f"{tier}-{t.number}.json"
+        if t.state == optuna.trial.TrialState.RUNNING and saved.is_file():
+            record(study, optuna.Trial(study, t._trial_id), json.loads(saved.read_text()), objective)
+            logger.info("trial %d of %s finished after its driver stopped: recorded its saved result", t.number, tier)
+        else:
+            study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+            logger.info(
+                "trial %d of %s was cut off with its driver: marked failed, a new trial replaces it", t.number, tier
+            )
+
+
+def _state(run_dir: Path, space_file: str | None, resume: bool) -> tuple[SearchSpace, dict[str, Any]]:
+    path = run_dir / TUNE_FILE
+    if resume:
+        if space_file:
+            raise UserError("--resume continues the run's own space; drop --space")
+        if not path.is_file():
+            raise UserError(
+                f"{run_dir}: not a tuning run (no {TUNE_FILE}); start one with `raytrm tune --out {run_dir}`"
+            )
+        state = cfg.read_yaml(path)
+        return space_from_dict(state["space"], str(path)), state
+    if path.exists():
+        raise UserError(f"{run_dir}: already holds a tuning run; continue it with `raytrm tune --resume {run_dir}`")
+    space = load_space(space_file)
+    return space, {"raytrm_tune": 1, "space_file": str(space.source), "space": space.to_dict()}
+
+
+def run_tune(
+    space_file: str | None = None,
+    *,
+    trials: int | None = None,
+    out: str | None = None,
+    resume: str | None = None,
+    address: str | None = None,
+    tiers: list[str] | None = None,
+    stream: TextIO | None = None,
+) -> dict[str, Path]:
+    """Tune every tier of the cluster (or `tiers`), verify each best setting and export a profile per tier."""
+    if trials is not None and trials < 1:
+        raise UserError(f"--trials {trials}: expected a number of trials >= 1")
+    stream = stream or sys.stdout
+    run_dir = Path(resume or out or Path("runs") / time.strftime("tune-%Y%m%d-%H%M%S"))
+    space, state = _state(run_dir, space_file, bool(resume))
+    if trials:
+        space.trials = trials
+    owned = connect(address)
+    try:
+        available = cluster_tiers()
+        wanted = tiers or state.get("tiers") or space.tiers or sorted(available)
+        missing = [t for t in wanted if t not in available]
+        if missing:
+            raise UserError(
+                f"tier(s) {', '.join(missing)} have no machine in the Ray cluster (it has: "
+                f"{', '.join(sorted(available))}); start one, or tune the tiers present"
+            )
+        state.update(
+            tiers=wanted,
+            trials=space.trials,
+            storage=storage_url(run_dir),
+            studies={t: study_name(space, t) for t in wanted},
+        )
+        state["space"]["trials"] = space.trials
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.write_yaml(state, run_dir / TUNE_FILE)
+        _prepare_data(space)
+        _run_studies(space, run_dir, {t: available[t] for t in wanted}, stream)
+        from raytrm.tune.export import export_run, format_table, verify_best
+        from raytrm.tune.plots import write_plots
+
+        for tier in wanted:
+            verify_best(run_dir, tier)
+        paths = export_run(run_dir)
+        print(format_table(run_dir), file=stream)
+        write_plots(run_dir)
+        return paths
+    finally:
+        if owned:
+            import ray
+
+            ray.shutdown()
+
+
+def _run_studies(space: SearchSpace, run_dir: Path, machines: dict[str, int], stream: TextIO) -> None:
+    from ray import tune
+    from ray.tune.execution.placement_groups import PlacementGroupFactory
+
+    from raytrm.tune.progress import TrialProgress
+    from raytrm.tune.ray_search import ConstrainedOptunaSearch, TierSearcher
+    from raytrm.tune.trial import tune_trainable
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = optuna.storages.RDBStorage(storage_url(run_dir))
+    searchers, remaining = {}, {}
+    for tier in machines:
+        name = study_name(space, tier)
+        study = optuna.create_study(
+            storage=storage,
+            study_name=name,
+            load_if_exists=True,
+            directions=["maximize"] * len(objectives.metric_names(space.objective)),
+        )
+        _recover(study, tier, run_dir, space.objective)
+        if not study.trials:
+            for point in space.start_with:
+                study.enqueue_trial(point)
+        remaining[tier] = max(0, space.trials - completed_count(study))
+        # A new seed per attempt: a resumed study must not replay the first attempt's random start.
+        searchers[tier] = ConstrainedOptunaSearch(space, tier, name, storage, seed=space.seed + len(study.trials))
+    total = sum(remaining.values())
+    if not total:
+        logger.info("every tier has its %d trials; nothing to run", space.trials)
+        return
+    attempt = sum(1 for _ in (run_dir / "ray").glob("attempt-*")) if (run_dir / "ray").is_dir() else 0
+    setup = {
+        "base": space.base,
+        "budget": cfg.to_dict(space.budget),
+        "limits": {tier: _limits(space, tier) for tier in machines},
+        "max_throughput_decay": space.limits.max_throughput_decay,
+        "quality_metric": space.quality_metric,
+        "run_dir": str(run_dir.resolve()),
+    }
+    trainable = tune.with_parameters(tune_trainable, setup=setup)
+    trainable = tune.with_resources(trainable, lambda config: PlacementGroupFactory([trial_resources(config["tier"])]))
+    print(
+        f"tuning {', '.join(f'{t} ({n} to run)' for t, n in remaining.items())}: study {storage_url(run_dir)}",
+        file=stream,
+    )
+    # Tune's own tables would bury the one-line-per-trial view; the classic output engine at verbose 0 is silent.
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    tuner = tune.Tuner(
+        trainable,
+        tune_config=tune.TuneConfig(
+            search_alg=TierSearcher(searchers, remaining, machines, space.objective),
+            num_samples=total,
+            reuse_actors=False,  # a fresh process per trial: inter-op threads and OMP settings apply once per process
+        ),
+        run_config=tune.RunConfig(
+            name=f"attempt-{attempt}",
+            storage_path=str((run_dir / "ray").resolve()),
+            verbose=0,
+            callbacks=[TrialProgress(stream, space.objective)],
+            failure_config=tune.FailureConfig(max_failures=0),
+        ),
+    )
+    tuner.fit()

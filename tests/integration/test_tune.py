@@ -1,0 +1,188 @@
+"""`raytrm tune` against a local Ray: a real study of tiny TRM trials, export, train --profile, over-budget trials,
+resume after the driver is killed, and two tiers on two logical nodes."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from raytrm import config as cfg
+from raytrm.cli import main
+from raytrm.tune import objectives
+from raytrm.tune.tuner import STUDY_DB, run_tune
+
+TIER_A, TIER_B = "macbook-air-8gb", "mac-desktop-16gb"  # the conftest's two logical nodes
+
+pytestmark = pytest.mark.slow
+
+TINY = {
+    "raytrm_space": 1,
+    "base": {
+        "model": {
+            "variant": "mlp_t",
+            "hidden_size": 32,
+            "L_layers": 1,
+            "H_cycles": 1,
+            "L_cycles": 1,
+            "halt_max_steps": 2,
+        },
+        "data": {"name": "sudoku", "train_puzzles": 200, "test_puzzles": 16, "augment": 0, "givens": 40},
+        "training": {"global_batch_size": 16, "lr": 3.0e-3, "warmup_steps": 2, "threads": 1},
+    },
+    "params": {
+        "training.micro_batch_size": {"type": "categorical", "choices": [4, 8, 16]},
+        "model.L_cycles": {"type": "int", "low": 1, "high": 2},
+    },
+    "budget": {"warmup_s": 1, "measure_s": 2, "eval_puzzles": 16},
+    "limits": {"max_throughput_decay": 1.0},
+    "trials": 3,
+    "tiers": [TIER_A],
+}
+
+
+def space_file(tmp_path, name="space", **changes) -> Path:
+    doc = {**TINY, "name": name, **changes}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def study(run_dir: Path, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{run_dir / STUDY_DB}")
+
+
+def complete(s: optuna.Study) -> list:
+    return s.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+
+
+def test_study_exports_a_profile_that_trains(ray_cluster, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["tune", "--space", str(space_file(tmp_path, "small")), "--out", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"[{TIER_A} #") == 3 and "verified" in out and "runner-up" in out
+    profile_path = run / "profiles" / f"{TIER_A}.yaml"
+    profile = cfg.load_profile(profile_path)
+    assert profile.tier == TIER_A and profile.limits.memory_budget_mb == 5632  # tiers.yaml's row
+    assert profile.measured.samples_per_sec > 0 and profile.measured.objective["verify_samples_per_sec"] > 0
+    assert len(complete(study(run, f"small-{TIER_A}"))) == 3
+    assert {p.name for p in (run / "plots").iterdir()} >= {f"{TIER_A}-history.png", f"{TIER_A}-importances.png"}
+    # optuna's own CLI reads the study
+    cli = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "optuna"),
+            "trials",
+            "--study-name",
+            f"small-{TIER_A}",
+            "--storage",
+            f"sqlite:///{run / STUDY_DB}",
+            "-f",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert cli.returncode == 0 and cli.stdout.count('"number"') == 3, (cli.stdout[-300:], cli.stderr[-500:])
+    # export by hand writes the same profile; train --profile runs exactly its settings
+    assert main(["export", str(run), "--tier", TIER_A, "--out", str(tmp_path / "p.yaml")]) == 0
+    assert cfg.load_profile(tmp_path / "p.yaml") == profile
+    train_dir = tmp_path / "train"
+    assert main(["train", "--profile", str(profile_path), "--steps", "2", "--out", str(train_dir), "--quiet"]) == 0
+    summary = json.loads((train_dir / "summary.json").read_text())
+    assert max(summary["micro_batches"]) <= profile.training.micro_batch_size
+    assert summary["threads"]["threads"] == profile.training.threads
+
+
+def test_over_budget_trial_is_recorded_infeasible(ray_cluster, tmp_path):
+    # micro-batch 256 of a wider model needs ~2.2 GiB; the injected budget is 1200 MiB: the memory model's
+    # prediction stops it before the big step, and the study goes on to a feasible one.
+    base = json.loads(json.dumps(TINY["base"]))
+    base["model"]["hidden_size"] = 256
+    base["training"]["global_batch_size"] = 256
+    path = space_file(
+        tmp_path,
+        "budget",
+        base=base,
+        trials=2,
+        params={"training.micro_batch_size": {"type": "categorical", "choices": [8, 256]}},
+        start_with=[{"training.micro_batch_size": 256}, {"training.micro_batch_size": 8}],
+        limits={"memory_budget_mb": 1200, "max_throughput_decay": 1.0},
+    )
+    stream = io.StringIO()
+    run_tune(str(path), out=str(tmp_path / "run"), stream=stream)
+    trials = sorted(complete(study(tmp_path / "run", f"budget-{TIER_A}")), key=lambda t: t.number)
+    assert [t.params["training.micro_batch_size"] for t in trials] == [256, 8]
+    big, small = trials
+    assert big.user_attrs["status"] == "over_budget" and big.constraints["memory"] > 0
+    assert big.user_attrs["peak_memory_mb"] > 1200 and big.user_attrs["predicted_memory_mb"] > 1200
+    assert objectives.is_feasible(small.constraints), small.user_attrs
+    assert "INFEASIBLE(memory)" in stream.getvalue()
+    profile = cfg.load_profile(tmp_path / "run" / "profiles" / f"{TIER_A}.yaml")
+    assert profile.training.micro_batch_size == 8 and profile.measured.peak_memory_mb <= 1200
+
+
+def test_resume_after_the_driver_is_killed(ray_cluster, tmp_path):
+    import ray
+
+    run = tmp_path / "run"
+    path = space_file(tmp_path, "resume", trials=4)
+    address = ray.get_runtime_context().gcs_address
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "raytrm.cli", "tune", "--space", str(path), "--out", str(run), "--address", address],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    name = f"resume-{TIER_A}"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if (run / STUDY_DB).exists():
+                try:
+                    if len(complete(study(run, name))) >= 2:
+                        break
+                except KeyError:  # the study is not created yet
+                    pass
+            assert driver.poll() is None, "the driver ended before it was killed"
+            time.sleep(0.5)
+        else:
+            pytest.fail("two trials did not complete in time")
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    before = {t.number: (t.params, t.values) for t in complete(study(run, name))}
+    assert 2 <= len(before) < 4
+    run_tune(resume=str(run), stream=io.StringIO())
+    after = complete(study(run, name))
+    assert len(after) == 4
+    assert {t.number: (t.params, t.values) for t in after if t.number in before} == before  # kept, not rerun
+    all_trials = study(run, name).trials
+    assert all(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) for t in all_trials)
+    assert (run / "profiles" / f"{TIER_A}.yaml").is_file()
+
+
+def test_two_tiers_run_on_their_own_nodes_one_trial_at_a_time(ray_cluster, tmp_path):
+    run = tmp_path / "run"
+    path = space_file(tmp_path, "tiers", trials=2, tiers=[TIER_A, TIER_B])
+    paths = run_tune(str(path), out=str(run), stream=io.StringIO())
+    assert set(paths) == {TIER_A, TIER_B}
+    spans = {}
+    for tier in (TIER_A, TIER_B):
+        trials = complete(study(run, f"tiers-{tier}"))
+        assert len(trials) == 2
+        for t in trials:
+            assert t.user_attrs["node_id"] == ray_cluster.node_ids[tier], (tier, t.user_attrs["node_id"])
+        spans[tier] = sorted((t.user_attrs["started_at"], t.user_attrs["ended_at"]) for t in trials)
+        for (_, end), (start, _) in zip(spans[tier], spans[tier][1:], strict=False):
+            assert start >= end, f"two trials at once on the {tier} node"
+    a, b = spans[TIER_A], spans[TIER_B]
+    assert any(sa < eb and sb < ea for sa, ea in a for sb, eb in b), "the two machines never worked in parallel"
