@@ -7,6 +7,7 @@ expected and how to fix it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -37,13 +38,13 @@ def spec(
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
-    models: tuple[str, ...] | None = None,
+    when: tuple[str, ...] | None = None,
 ) -> Any:
     """A dataclass field with its description and validation rule.
 
-    models: on a ModelConfig field, the model families it applies to (None: all of them).
+    when: the values of the config's `name` (model family, dataset kind) the field applies to; None = all.
     """
-    rules = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le, "models": models}
+    rules = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le, "when": when}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=rules)
     if dataclasses.is_dataclass(default):
@@ -72,59 +73,50 @@ class ModelConfig:
         "mlp_t",
         "TRM block mixer: self-attention, or an MLP across positions",
         choices=("attention", "mlp_t"),
-        models=TRM,
+        when=TRM,
     )
     hidden_size: int = spec(512, "width of the residual stream", ge=8)
     num_heads: int = spec(8, "attention heads (TRM attention variant, transformer)", ge=1)
     expansion: float = spec(4.0, "SwiGLU expansion factor before the 2/3 rule and rounding to 256", gt=0)
-    L_layers: int = spec(2, "blocks in the one recursive network", ge=1, models=TRM)
+    L_layers: int = spec(2, "blocks in the one recursive network", ge=1, when=TRM)
     H_cycles: int = spec(
-        3, "outer recursion rounds per supervision step (all but the last without gradient)", ge=1, models=TRM
+        3, "outer recursion rounds per supervision step (all but the last without gradient)", ge=1, when=TRM
     )
-    L_cycles: int = spec(6, "latent updates per outer round", ge=1, models=TRM)
-    pos_encodings: str = spec("none", "positional encoding", choices=("rope", "learned", "none"), models=TRM)
+    L_cycles: int = spec(6, "latent updates per outer round", ge=1, when=TRM)
+    pos_encodings: str = spec("none", "positional encoding", choices=("rope", "learned", "none"), when=TRM)
     rope_theta: float = spec(10000.0, "RoPE base", gt=0)
     rms_norm_eps: float = spec(1e-5, "RMSNorm epsilon", gt=0)
-    puzzle_emb_len: int = spec(16, "positions prepended for the puzzle embedding (0 disables it)", ge=0, models=TRM)
-    halt_max_steps: int = spec(16, "most supervision steps a sample gets before it is halted", ge=1, models=TRM)
+    puzzle_emb_len: int = spec(16, "positions prepended for the puzzle embedding (0 disables it)", ge=0, when=TRM)
+    halt_max_steps: int = spec(16, "most supervision steps a sample gets before it is halted", ge=1, when=TRM)
     halt_exploration_prob: float = spec(
-        0.1, "probability a slot is forced to run a random minimum of steps", ge=0, le=1, models=TRM
+        0.1, "probability a slot is forced to run a random minimum of steps", ge=0, le=1, when=TRM
     )
     halt_at_eval: bool = spec(
-        False, "at evaluation, stop a sample when q_halt > 0 instead of running all steps", models=TRM
+        False, "at evaluation, stop a sample when q_halt > 0 instead of running all steps", when=TRM
     )
     task: str = spec(
         "lm",
         "transformer head: next-byte language model, or document classifier",
         choices=("lm", "classify"),
-        models=TRANSFORMER,
+        when=TRANSFORMER,
     )
-    layers: int = spec(4, "transformer blocks", ge=1, models=TRANSFORMER)
-    seq_len: int = spec(256, "tokens (bytes) per training sequence", ge=8, models=TRANSFORMER)
-    dropout: float = spec(0.0, "dropout after attention and MLP", ge=0, le=0.9, models=TRANSFORMER)
-    tie_embeddings: bool = spec(True, "share the input embedding with the output head (lm)", models=TRANSFORMER)
+    layers: int = spec(4, "transformer blocks", ge=1, when=TRANSFORMER)
+    seq_len: int = spec(256, "tokens (bytes) per training sequence", ge=8, when=TRANSFORMER)
+    dropout: float = spec(0.0, "dropout after attention and MLP", ge=0, le=0.9, when=TRANSFORMER)
+    tie_embeddings: bool = spec(True, "share the input embedding with the output head (lm)", when=TRANSFORMER)
     pooling: str = spec(
         "mean",
         "classifier pooling: mean over tokens, or the first token",
         choices=("mean", "first"),
-        models=TRANSFORMER,
+        when=TRANSFORMER,
     )
     gradient_checkpointing: bool = spec(
-        False, "recompute block activations in backward to save memory", models=TRANSFORMER
+        False, "recompute block activations in backward to save memory", when=TRANSFORMER
     )
     forward_dtype: str = spec("auto", "dtype of the forward pass; auto lets the device module choose", choices=DTYPES)
 
     def validate(self, source: str, prefix: str = "model") -> None:
-        for f in dataclasses.fields(self):
-            models = f.metadata.get("models")
-            if models and self.name not in models and getattr(self, f.name) != _default(f):
-                raise ConfigError(
-                    source,
-                    f"{prefix}.{f.name}",
-                    getattr(self, f.name),
-                    f"no value: it applies to {', '.join(models)} models, not {self.name}",
-                    f"remove it, or set {prefix}.name to {models[0]}",
-                )
+        check_applies(self, source, prefix)
         if (self.name == "transformer" or self.variant == "attention") and self.hidden_size % self.num_heads:
             raise ConfigError(
                 source,
@@ -147,13 +139,32 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
+def _applies(f: dataclasses.Field, name: str) -> bool:
+    when = f.metadata.get("when")
+    return when is None or name in when
+
+
+def check_applies(obj: Any, source: str, prefix: str) -> None:
+    """Refuse a field set away from its default where it does not apply (to this model family, dataset kind)."""
+    for f in dataclasses.fields(obj):
+        if not _applies(f, obj.name) and getattr(obj, f.name) != _default(f):
+            when = f.metadata["when"]
+            raise ConfigError(
+                source,
+                f"{prefix}.{f.name}",
+                getattr(obj, f.name),
+                f"no value: it applies to {' and '.join(when)}, not {obj.name}",
+                f"remove it, or set {prefix}.name to {when[0]}",
+            )
+
+
 def model_fields(name: str) -> tuple[str, ...]:
     """The ModelConfig fields that apply to the model family `name`."""
-    return tuple(
-        f.name
-        for f in dataclasses.fields(ModelConfig)
-        if f.metadata.get("models") is None or name in f.metadata["models"]
-    )
+    return tuple(f.name for f in dataclasses.fields(ModelConfig) if _applies(f, name))
+
+
+PUZZLES = ("sudoku", "maze")
+TEXT = ("text",)
 
 
 @dataclass
@@ -166,24 +177,29 @@ class DataConfig:
         "dataset directory in the reference layout, or for text a file, a directory of files, or JSONL/CSV; "
         "None generates one into the cache (text: the Python standard library's sources)",
     )
-    train_puzzles: int = spec(2000, "base puzzles generated for training", ge=1)
-    test_puzzles: int = spec(200, "base puzzles generated for evaluation", ge=1)
-    augment: int = spec(8, "augmented copies per training puzzle (0 = originals only)", ge=0)
-    givens: int = spec(36, "Sudoku clues left in each puzzle: fewer is harder", ge=17, le=80)
-    maze_size: int = spec(30, "maze side length in cells", ge=5)
+    train_puzzles: int = spec(2000, "base puzzles generated for training", ge=1, when=PUZZLES)
+    test_puzzles: int = spec(200, "base puzzles generated for evaluation", ge=1, when=PUZZLES)
+    augment: int = spec(8, "augmented copies per training puzzle (0 = originals only)", ge=0, when=PUZZLES)
+    givens: int = spec(36, "Sudoku clues left in each puzzle: fewer is harder", ge=17, le=80, when=("sudoku",))
+    maze_size: int = spec(30, "maze side length in cells", ge=5, when=("maze",))
     seed: int = spec(0, "generator seed")
-    text_field: str = spec("text", "text: the field (JSONL) or column (CSV) holding a document's text")
-    label_field: str = spec("label", "text: the field (JSONL) or column (CSV) holding a document's class label")
+    text_field: str = spec("text", "the field (JSONL) or column (CSV) holding a document's text", when=TEXT)
+    label_field: str = spec("label", "the field (JSONL) or column (CSV) holding a document's class label", when=TEXT)
     stream_above_mb: float = spec(
-        200.0, "text: a token cache larger than this (MiB) is read from disk on demand, not loaded into memory", gt=0
+        200.0,
+        "a token cache larger than this (MiB) is read from disk on demand, not loaded into memory",
+        gt=0,
+        when=TEXT,
     )
     in_memory_below_mb: float = spec(
         100.0,
-        "text: a token cache smaller than this (MiB) is loaded into memory; between the two, free memory decides",
+        "a token cache smaller than this (MiB) is loaded into memory; between the two, free memory decides",
         gt=0,
+        when=TEXT,
     )
 
     def validate(self, source: str, prefix: str = "data") -> None:
+        check_applies(self, source, prefix)
         if self.in_memory_below_mb > self.stream_above_mb:
             raise ConfigError(
                 source,
@@ -433,8 +449,18 @@ def from_dict(cls: type[T], data: Any, source: str = "<config>", prefix: str = "
 
 
 def to_dict(obj: Any) -> dict:
-    """A plain dict (YAML-ready) of a config dataclass."""
-    return dataclasses.asdict(obj)
+    """A plain dict (YAML-ready) of a config dataclass, without the fields that do not apply to it.
+
+    A field that does not apply (a transformer field in a TRM config, a Sudoku field of a text dataset) is always at
+    its default, so leaving it out loses nothing and keeps profiles and run configs to what matters.
+    """
+    out = {}
+    for f in dataclasses.fields(obj):
+        if hasattr(obj, "name") and not _applies(f, obj.name):
+            continue
+        value = getattr(obj, f.name)
+        out[f.name] = to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+    return out
 
 
 def describe(cls: type) -> dict[str, str]:

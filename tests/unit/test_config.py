@@ -133,3 +133,25 @@ def test_configs_are_plain_dataclasses():
     a, b = TrainConfig(), TrainConfig()
     a.betas.append(1)
     assert b.betas == [0.9, 0.95], "mutable defaults must not be shared"
+
+
+def test_fields_apply_to_their_family_only():
+    with pytest.raises(
+        ConfigError, match=r"model.H_cycles: got 4, expected no value: it applies to trm, not transformer"
+    ):
+        config.from_dict(ExperimentConfig, {"model": {"name": "transformer", "H_cycles": 4}, "data": {"name": "text"}})
+    with pytest.raises(ConfigError, match=r"data.givens: .* applies to sudoku, not maze"):
+        config.from_dict(ExperimentConfig, {"data": {"name": "maze", "givens": 30}})
+    assert "seq_len" in config.model_fields("transformer") and "seq_len" not in config.model_fields("trm")
+
+
+def test_written_configs_hold_only_the_fields_that_apply_and_read_back_equal(tmp_path):
+    trm = ExperimentConfig()
+    written = config.to_dict(trm)
+    assert "seq_len" not in written["model"] and "H_cycles" in written["model"]
+    assert "text_field" not in written["data"] and "givens" in written["data"]
+    text = config.from_dict(ExperimentConfig, {"model": {"name": "transformer"}, "data": {"name": "text"}})
+    assert "H_cycles" not in config.to_dict(text)["model"] and "givens" not in config.to_dict(text)["data"]
+    for experiment in (trm, text):
+        path = config.write_yaml(config.to_dict(experiment), tmp_path / "c.yaml")
+        assert config.load(ExperimentConfig, path) == experiment
