@@ -360,6 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--table", metavar="FILE", help="tune: the measured grid (JSON), written by --measure")
     p.add_argument("--measure", action="store_true", help="tune: measure the whole grid first (long)")
     p.add_argument("--seeds", type=int, default=10, help="tune: replay seeds per method")
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="tune: compare this tuned profile with the space's base at the tier's defaults (--repeats each)",
+    )
     p.set_defaults(func=cmd_bench)
     return parser
 

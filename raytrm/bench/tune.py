@@ -6,6 +6,9 @@ budget, and writes the table as JSON (long: only on a machine you can spare). Re
 DeepSpeed-style probe (micro-batch raised until it no longer fits or gains < 5%, other parameters at base values)
 each get 20% of the grid's trials; the table shows, per method, the median over seeds of the best feasible
 objective found as a fraction of the grid's optimum, and how often it reached 95% of it.
+
+`--profile P` instead runs a tuned profile against what a user has without tuning (the space's base settings with
+the tier's hand-written defaults from tiers.yaml), in alternation, and prints both objectives side by side.
 """
 
 from __future__ import annotations
@@ -126,8 +129,68 @@ def format_replay(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def against_defaults(space: SearchSpace, profile_path: Path, repeats: int) -> dict[str, Any]:
+    """The tuned profile's settings against the space's base with the tier's hand-written defaults, in alternation.
+
+    Both run as a trial does (the space's warm-up, window and evaluation); alternating the two, repeat after repeat,
+    lets a change in the machine's load reach both alike. Returns each side's runs and medians.
+    """
+    from raytrm import config as cfg
+    from raytrm.tune.trial import measure, resolve_for_node
+
+    profile = cfg.load_profile(profile_path)
+    tuned = cfg.to_dict(cfg.ExperimentConfig(model=profile.model, data=profile.data, training=profile.training))
+    tuned["training"].update(steps=None, time_budget_s=None)  # the bench's own budget decides the length
+    sides = {
+        "tier defaults": resolve_for_node(cfg.to_dict(build_experiment(space.base, {})), {})[0],
+        "tuned profile": resolve_for_node(tuned, {})[0],
+    }
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, experiment in sides.items():
+            result = measure(
+                experiment,
+                warmup_s=space.budget.warmup_s,
+                measure_s=space.budget.measure_s,
+                memory_budget_mb=None,
+                thermal_cap=None,
+                max_throughput_decay=space.limits.max_throughput_decay,
+                quality_metric=space.quality_metric,
+                eval_puzzles=space.budget.eval_puzzles,
+            )
+            runs[name].append({k: result[k] for k in ("status", "quality", "samples_per_sec", "peak_memory_mb")})
+    medians = {
+        name: {k: statistics.median(r[k] for r in rs) for k in ("quality", "samples_per_sec", "peak_memory_mb")}
+        for name, rs in runs.items()
+    }
+    return {"space": space.name, "profile": str(profile_path), "repeats": repeats, "runs": runs, "medians": medians}
+
+
+def format_against(out: dict[str, Any]) -> str:
+    lines = [f"{'settings':<14} {'quality':>8} {'samples/s':>10} {'peak MiB':>9}   (medians of {out['repeats']})"]
+    for name, m in out["medians"].items():
+        lines.append(f"{name:<14} {m['quality']:>8.4f} {m['samples_per_sec']:>10.1f} {m['peak_memory_mb']:>9.0f}")
+    base, tuned = out["medians"]["tier defaults"], out["medians"]["tuned profile"]
+    if base["quality"] > 0 and base["samples_per_sec"] > 0:
+        lines.append(
+            f"tuned / defaults: quality x{tuned['quality'] / base['quality']:.2f}, "
+            f"samples/s x{tuned['samples_per_sec'] / base['samples_per_sec']:.2f}"
+        )
+    return "\n".join(lines)
+
+
 def cmd(args: Any) -> int:
-    """The bench's entry from the CLI: measure a grid (--measure) or replay a recorded table."""
+    """The bench's entry from the CLI: measure a grid (--measure), replay a recorded table, or compare a profile."""
+    if args.profile:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        profile = Path(args.profile)
+        if not profile.is_file():
+            raise UserError(f"{profile}: no such profile; `raytrm tune` writes one to RUN_DIR/profiles/<tier>.yaml")
+        out = against_defaults(load_space(args.space), profile, args.repeats)
+        print(format_against(out))
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2))
+        return 0
     if not args.table:
         raise UserError("bench tune needs --table FILE: the grid's JSON (written with --measure, read otherwise)")
     path = Path(args.table)

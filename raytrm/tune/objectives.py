@@ -3,7 +3,8 @@
 Objectives (all maximized):
 - quality: the validation metric reached in the trial's fixed wall-clock budget. It folds speed (more steps in the
   budget) and statistical efficiency (what each step teaches) into one number: the default.
-- throughput: sustained samples/s after warm-up; for spaces that search only system knobs (threads, micro-batch).
+- throughput: sustained samples/s after warm-up, or tokens/s for a language model (whose samples grow with the
+  searched sequence length); for spaces that search only system knobs (threads, micro-batch, sequence length).
 - pareto: both; Optuna keeps the front, and `pick` chooses one point: the highest quality among front points whose
   throughput is within `throughput_slack` (default 10%) of the front's best throughput.
 
@@ -33,6 +34,8 @@ QUALITY, THROUGHPUT, PEAK_MB, THERMAL_MAX, DECAY = (
     "thermal_max",
     "throughput_decay",
 )
+#: Reported beside samples/s by trials of models that count tokens (the language model).
+TOKENS_THROUGHPUT = "tokens_per_sec"
 BUDGET_MB, THERMAL_CAP, MAX_DECAY, STATUS = "memory_budget_mb", "thermal_cap", "max_throughput_decay", "status"
 
 
@@ -46,6 +49,8 @@ def objective_values(result: dict[str, Any], objective: str) -> list[float]:
     out = []
     for key in metric_names(objective):
         value = result.get(key)
+        if key == THROUGHPUT and result.get(TOKENS_THROUGHPUT):
+            value = result[TOKENS_THROUGHPUT]
         out.append(float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0)
     return out
 

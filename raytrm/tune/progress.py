@@ -29,6 +29,8 @@ def trial_line(result: dict[str, Any], objective: str) -> str:
     budget = result.get("memory_budget_mb")
     peak = f"{result.get('peak_memory_mb') or 0:.0f}" + (f"/{budget:.0f}" if budget else "")
     status = "feasible" if not violated else "INFEASIBLE(" + ",".join(violated) + ")"
+    if result.get("final") is False:
+        status = f"pruned at evaluation {result.get('evaluation')}"
     line = (
         f"[{result.get('tier', '?')} #{result.get('trial_number', '?')}] {status} {shown} "
         f"samples/s={result.get('samples_per_sec') or 0:.1f} peak_mb={peak} "

@@ -8,10 +8,11 @@ from typing import Any
 
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
+from ray.tune.stopper import Stopper
 from ray.tune.utils.util import unflatten_dict
 
 from raytrm.tune import objectives
-from raytrm.tune.search import failed_result, make_sampler, record
+from raytrm.tune.search import failed_result, make_pruner, make_sampler, record, should_stop
 from raytrm.tune.space import SearchSpace, suggest
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class ConstrainedOptunaSearch(OptunaSearch):
             storage=storage,
         )
         self.tier, self.objective = tier, space.objective
+        self._ot_study.pruner = make_pruner(space)  # OptunaSearch builds its study with a NopPruner
 
     def suggest(self, trial_id: str) -> dict | None:
         params = super().suggest(trial_id)
@@ -39,7 +41,12 @@ class ConstrainedOptunaSearch(OptunaSearch):
         return {"tier": self.tier, "trial_number": number, "params": params}
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
-        """Trials report once, at their end; nothing to prune on."""
+        """Intermediate evaluations reach the study through PrunerStopper, which reports them before deciding."""
+
+    def should_stop(self, trial_id: str, result: dict) -> bool:
+        """Report an intermediate evaluation to the trial's study; True when its pruner stops the trial."""
+        value = objectives.objective_values(result, self.objective)[0]
+        return should_stop(self._ot_trials[trial_id], value, int(result["evaluation"]))
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         if trial_id in self._completed_trials:
@@ -49,8 +56,10 @@ class ConstrainedOptunaSearch(OptunaSearch):
             result = unflatten_dict(result)  # Tune hands searchers flattened results ("experiment/model/...")
         if error or not result or "status" not in result:
             result = failed_result(result, "the trial process died or raised (see the Ray Tune log)")
+        # A trial stopped by the pruner ends on an intermediate evaluation.
+        pruned = not error and result.get("final") is False
         try:
-            record(self._ot_study, ot_trial, result, self.objective)
+            record(self._ot_study, ot_trial, result, self.objective, pruned=pruned)
         except Exception as exc:  # a storage hiccup must not end the whole study
             logger.warning("could not record trial %d: %s", ot_trial.number, exc)
         self._completed_trials.add(trial_id)
@@ -108,3 +117,33 @@ class TierSearcher(Searcher):
 
     def restore(self, checkpoint_path: str) -> None:
         pass
+
+
+class PrunerStopper(Stopper):
+    """Ends a trial that an intermediate evaluation puts behind its tier's study, as the space's pruner decides.
+
+    Tune consults a stopper before any searcher sees a result, so this is where each intermediate evaluation is
+    reported to Optuna (per tier: each tier's study prunes against its own machines' trials only).
+    """
+
+    def __init__(self, searcher: TierSearcher | None) -> None:
+        self.searcher = searcher
+
+    def __getstate__(self) -> dict:
+        # Tune pickles its run config into the experiment state; the live stopper keeps the driver's searcher.
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.searcher = None
+
+    def __call__(self, trial_id: str, result: dict) -> bool:
+        tier = self.searcher.tier_of.get(trial_id) if self.searcher else None
+        if tier is None or result.get("final") is not False:
+            return False
+        stop = self.searcher.searchers[tier].should_stop(trial_id, result)
+        if stop:
+            logger.info("trial %s of %s pruned at evaluation %s", trial_id, tier, result.get("evaluation"))
+        return stop
+
+    def stop_all(self) -> bool:
+        return False

@@ -27,6 +27,7 @@ KEPT = (
     "status",
     "error",
     "samples_per_sec",
+    "tokens_per_sec",
     "peak_memory_mb",
     "predicted_memory_mb",
     "thermal_max",
@@ -60,6 +61,15 @@ def make_sampler(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
         )
 
 
+def make_pruner(space: SearchSpace) -> optuna.pruners.BasePruner:
+    """The space's pruner: it decides at a trial's intermediate evaluations whether the trial goes on."""
+    if space.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=space.n_startup)
+    if space.pruner == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
+    return optuna.pruners.NopPruner()
+
+
 def directions(objective: str) -> list[str]:
     return ["maximize"] * len(objectives.metric_names(objective))
 
@@ -72,14 +82,22 @@ def _jsonable(value: Any) -> Any:
         return json.loads(json.dumps(value, default=str))
 
 
-def record(study: optuna.Study, trial: optuna.Trial, result: dict[str, Any], objective: str) -> dict[str, float]:
-    """Set the result's constraints and measurements on the trial and tell the study; returns the constraints."""
+def record(
+    study: optuna.Study, trial: optuna.Trial, result: dict[str, Any], objective: str, pruned: bool = False
+) -> dict[str, float]:
+    """Set the result's constraints and measurements on the trial and tell the study; returns the constraints.
+
+    A pruned trial is told as PRUNED: the samplers rank it by its last intermediate evaluation.
+    """
     cons = objectives.constraints(result)
     for key, value in cons.items():
         trial.set_constraint(key, value)
     for key in KEPT:
         if result.get(key) is not None:
             trial.set_user_attr(key, _jsonable(result[key]))
+    if pruned:
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        return cons
     values = objectives.objective_values(result, objective)
     study.tell(trial, values if len(values) > 1 else values[0])
     return cons
@@ -93,10 +111,20 @@ def failed_result(result: dict[str, Any] | None, why: str) -> dict[str, Any]:
     return out
 
 
+def should_stop(trial: optuna.Trial, value: float, evaluation: int) -> bool:
+    """Report an intermediate evaluation of the objective; True when the study's pruner stops the trial there."""
+    trial.report(value, evaluation)
+    return trial.should_prune()
+
+
 def optimize(
     study: optuna.Study, params: dict[str, ParamSpec], fn: Callable[[dict], dict], n_trials: int, objective: str
 ) -> None:
-    """Run n trials of fn in this process: ask, suggest, measure, record (the tests' and the replay's loop)."""
+    """Run n trials of fn in this process: ask, suggest, measure, record (the tests' and the replay's loop).
+
+    A result may carry "intermediate": [(evaluation, value), ...], the objective at evaluations before the end;
+    the study's pruner sees them in order, as it does in a Ray trial, and may stop the trial at one.
+    """
     for _ in range(n_trials):
         trial = study.ask()
         values = suggest(trial, params)
@@ -104,9 +132,12 @@ def optimize(
             result = fn(values)
         except Exception as exc:  # the same rule as in a Ray trial: a crash is an infeasible point, not a gap
             result = failed_result(None, f"{type(exc).__name__}: {exc}")
-        record(study, trial, result, objective)
+        pruned = any(should_stop(trial, value, step) for step, value in result.get("intermediate", ()))
+        record(study, trial, result, objective, pruned=pruned)
 
 
 def completed_count(study: optuna.Study) -> int:
-    """Trials that count toward the requested number: COMPLETE, feasible or not (failed ones are COMPLETE too)."""
-    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+    """Trials that count toward the requested number: COMPLETE, feasible or not (failed ones are COMPLETE too),
+    and PRUNED (stopped early by the pruner)."""
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    return len(study.get_trials(deepcopy=False, states=states))

@@ -25,6 +25,7 @@ SPACE_SCHEMA_VERSION = 1
 DEFAULT_SPACE = "quick"
 OBJECTIVES = ("quality", "throughput", "pareto")
 PARAM_TYPES = ("int", "float", "log", "categorical")
+PRUNERS = ("none", "median", "successive_halving")
 #: Training fields that define the run rather than its speed or quality: the budget sets them for every trial.
 NOT_SEARCHABLE = {"steps", "time_budget_s", "log_interval", "eval_interval", "checkpoint_interval", "device"}
 BATCH_FIELDS = ("training.global_batch_size", "training.micro_batch_size", "training.grad_accum_steps")
@@ -67,6 +68,12 @@ class Budget:
     warmup_s: float = spec(5.0, "training before measuring (compilation, allocator, caches)", ge=0)
     measure_s: float = spec(20.0, "measured window: samples/s, peak memory, heat and throughput decay", gt=0)
     eval_puzzles: int | None = spec(64, "test puzzles evaluated at the end of a trial; None = the whole split", ge=1)
+    evaluations: int = spec(
+        1,
+        "evaluations in the measured window, evenly spaced, the last at its end (their time is not counted); a "
+        "pruner compares trials at the earlier ones",
+        ge=1,
+    )
     verify_s: float | None = spec(
         None, "measured window of the verification re-run of the best settings; None = measure_s", gt=0
     )
@@ -120,7 +127,12 @@ class SearchSpace:
     trials: int = spec(12, "trials per tier", ge=1)
     startup_trials: int | None = spec(None, "random trials before the model-based sampler; None = trials / 4", ge=1)
     sampler: str = spec("tpe", "tpe (default), gp (needs scipy) or random", choices=("tpe", "gp", "random"))
-    pruner: str = spec("none", "early stopping: none (trials are short and measure a fixed window)", choices=("none",))
+    pruner: str = spec(
+        "none",
+        "early stopping of single-objective studies: none, median (Optuna's MedianPruner) or successive_halving "
+        "(Optuna's asynchronous successive halving); it acts at the evaluations of budget.evaluations",
+        choices=PRUNERS,
+    )
     seed: int = spec(0, "sampler seed")
     start_with: list = spec([], "parameter sets tried first (e.g. the hand-written defaults), before sampling")
     limits: SpaceLimits = spec(SpaceLimits(), "memory, heat and throughput-decay limits")
@@ -198,6 +210,18 @@ def space_from_dict(data: Any, source: str, default_name: str = "study") -> Sear
                 "tpe or random, or scipy installed",
                 "pip install scipy (Optuna's GP sampler needs it), or use sampler: tpe",
             )
+    if space.pruner != "none" and space.objective == "pareto":
+        raise ConfigError(
+            source, "pruner", space.pruner, "none for a pareto study", "Optuna prunes single-objective studies only"
+        )
+    if space.pruner != "none" and space.budget.evaluations < 2:
+        raise ConfigError(
+            source,
+            "budget.evaluations",
+            space.budget.evaluations,
+            f"2 or more with pruner {space.pruner}",
+            "the pruner compares trials at the evaluations before the last; e.g. budget: {evaluations: 3}",
+        )
     space.parsed = parsed
     for i, point in enumerate(space.start_with):
         if not isinstance(point, dict) or set(point) - set(parsed):

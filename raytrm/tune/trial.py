@@ -78,10 +78,17 @@ def measure(
     quality_metric: str = "eval_cell_acc",
     eval_puzzles: int | None = 64,
     decay_window: float = 0.25,
+    evaluations: int = 1,
+    report: Callable[[dict[str, Any]], None] | None = None,
     thermal_reader: Any = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Any]:
-    """Train the experiment for warm-up + measured window and return the trial's measurements (never raises)."""
+    """Train the experiment for warm-up + measured window and return the trial's measurements (never raises).
+
+    With evaluations > 1 the window is evaluated at evenly spaced points before its end too, and each of those
+    partial results goes to report (which a pruner may answer by stopping the trial). Evaluation time is taken off
+    the clock, so every trial trains for the same wall-clock window whatever it evaluates.
+    """
     from raytrm.hardware.thermal import ThermalReader
     from raytrm.train import memory as memory_model
     from raytrm.train.peak import PeakMemory
@@ -105,11 +112,16 @@ def measure(
     hottest: str | None = None
     trainer = None
     budget_bytes = memory_budget_mb * MiB if memory_budget_mb else math.inf
+    off_clock = 0.0  # seconds spent evaluating inside the window, which the window does not count
+
+    def now() -> float:
+        return clock() - off_clock
+
     try:
         config = cfg.from_dict(cfg.ExperimentConfig, experiment, "<trial>")
         trainer = Trainer(config)
         micro = config.training.micro_batch
-        start = clock()
+        start = now()
         peak = 0
         # Memory pre-check: fit the memory model on two small cuts of the same global batch (real training steps,
         # part of the warm-up), predict the asked micro-batch, and stop before a step the machine cannot hold.
@@ -129,18 +141,31 @@ def measure(
                 return result
         window: list[tuple[float, int]] = []  # (end time, samples) of each measured step
         window_start = None
+        evaluated = 0  # evaluations done inside the window, before its end
         while True:
-            now = clock()
-            if window_start is None and now - start >= warmup_s:
-                window_start = now
+            t = now()
+            if window_start is None and t - start >= warmup_s:
+                window_start = t
                 hottest = _hotter(hottest, thermal.read().get("thermal_state"))
-            if window_start is not None and now - window_start >= measure_s:
+            if window_start is not None and t - window_start >= measure_s:
                 break
+            if (
+                report is not None
+                and window_start is not None
+                and evaluated + 1 < evaluations
+                and t - window_start >= (evaluated + 1) * measure_s / evaluations
+            ):
+                evaluated += 1
+                paused = clock()
+                partial = {**result, **_window_figures(window, window_start, peak, trainer, decay_window)}
+                partial.update(_evaluate(trainer, config, micro, eval_puzzles, quality_metric))
+                off_clock += clock() - paused
+                report({**partial, "evaluation": evaluated, "final": False})
             with PeakMemory(trainer.device.type) as pm:
                 step = trainer.train_step()
             peak = max(peak, pm.bytes)
             if window_start is not None:
-                window.append((clock(), step.samples))
+                window.append((now(), step.samples))
                 if len(window) % 10 == 0:
                     hottest = _hotter(hottest, thermal.read().get("thermal_state"))
             if peak > budget_bytes:
@@ -154,22 +179,10 @@ def measure(
                 result["status"] = "too_hot"  # stop: the constraint is violated and the machine should cool
                 break
         hottest = _hotter(hottest, thermal.read().get("thermal_state"))
-        end = window[-1][0] if window else clock()
-        samples = sum(s for _, s in window)
-        result.update(
-            samples_per_sec=samples / max(end - window_start, 1e-9) if window_start is not None else 0.0,
-            peak_memory_mb=peak / MiB,
-            throughput_decay=_decay(window, window_start, decay_window),
-            steps=trainer.step,
-            measure_seconds=(end - window_start) if window_start is not None else 0.0,
-        )
+        result.update(_window_figures(window, window_start, peak, trainer, decay_window))
         if result["status"] == "ok":
-            # Evaluate a fixed number of puzzles, whatever the micro-batch, so qualities compare across trials.
-            trainer.set_micro_batch(config.training.global_batch_size)
-            batches = math.ceil(eval_puzzles / trainer.micro_batch) if eval_puzzles else None
-            scores = trainer.evaluate(max_batches=batches)
-            result["quality"] = float(scores.get(quality_metric, 0.0))
-            result["eval"] = scores
+            result.update(_evaluate(trainer, config, micro, eval_puzzles, quality_metric))
+        result.update(evaluation=evaluations, final=True)
     except Exception as exc:  # a failed trial reports what it measured, with the reason, and the study goes on
         logger.warning("trial failed: %s: %s", type(exc).__name__, exc)
         result.update(status="failed", error=f"{type(exc).__name__}: {exc}")
@@ -179,6 +192,36 @@ def measure(
     result["thermal_max"] = hottest or "unknown"
     result["ended_at"] = time.time()
     return result
+
+
+def _window_figures(
+    window: list[tuple[float, int]], window_start: float | None, peak: int, trainer: Any, decay_window: float
+) -> dict[str, Any]:
+    """samples/s, peak, decay and steps of the measured window so far."""
+    end = window[-1][0] if window else window_start
+    seconds = (end - window_start) if window_start is not None else 0.0
+    samples_per_sec = sum(s for _, s in window) / max(seconds, 1e-9) if window else 0.0
+    figures = {
+        "samples_per_sec": samples_per_sec,
+        "peak_memory_mb": peak / MiB,
+        "throughput_decay": _decay(window, window_start, decay_window),
+        "steps": trainer.step,
+        "measure_seconds": seconds,
+    }
+    if trainer.tokens_per_sample:
+        figures["tokens_per_sec"] = samples_per_sec * trainer.tokens_per_sample
+    return figures
+
+
+def _evaluate(
+    trainer: Any, config: cfg.ExperimentConfig, micro: int, eval_puzzles: int | None, quality_metric: str
+) -> dict[str, Any]:
+    """Quality on a fixed number of held-out examples, whatever the micro-batch, so trials compare."""
+    trainer.set_micro_batch(config.training.global_batch_size)
+    batches = math.ceil(eval_puzzles / trainer.micro_batch) if eval_puzzles else None
+    scores = trainer.evaluate(max_batches=batches)
+    trainer.set_micro_batch(micro)
+    return {"quality": float(scores.get(quality_metric, 0.0)), "eval": scores}
 
 
 def _decay(window: list[tuple[float, int]], window_start: float | None, share: float) -> float:
@@ -192,14 +235,27 @@ def _decay(window: list[tuple[float, int]], window_start: float | None, share: f
     return max(0.0, (first - last) / first) if first > 0 else 0.0
 
 
-def run_trial(config: dict[str, Any], setup: dict[str, Any]) -> dict[str, Any]:
-    """A trial from the searcher's config ({tier, trial_number, params}) and the study's fixed setup."""
+def run_trial(
+    config: dict[str, Any], setup: dict[str, Any], report: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """A trial from the searcher's config ({tier, trial_number, params}) and the study's fixed setup.
+
+    report, if given, receives the partial result of each evaluation before the end (see `measure`).
+    """
     from raytrm.tune.space import build_experiment
 
     tier, params = config["tier"], config.get("params", {})
     base = build_experiment(setup["base"], params, "<trial>")  # validated before anything heavy starts
     experiment, limits = resolve_for_node(cfg.to_dict(base), setup["limits"].get(tier, {}))
     budget = setup["budget"]
+    labels = {
+        "tier": tier,
+        "trial_number": config.get("trial_number"),
+        "params": params,
+        "experiment": experiment,
+        "hardware": limits["hardware"],
+        "node_id": _node_id(),
+    }
     result = measure(
         experiment,
         warmup_s=budget["warmup_s"],
@@ -210,15 +266,10 @@ def run_trial(config: dict[str, Any], setup: dict[str, Any]) -> dict[str, Any]:
         quality_metric=setup["quality_metric"],
         eval_puzzles=budget.get("eval_puzzles"),
         decay_window=budget.get("decay_window", 0.25),
+        evaluations=budget.get("evaluations", 1),
+        report=(lambda partial: report({**partial, **labels})) if report is not None else None,
     )
-    result.update(
-        tier=tier,
-        trial_number=config.get("trial_number"),
-        params=params,
-        experiment=experiment,
-        hardware=limits["hardware"],
-        node_id=_node_id(),
-    )
+    result.update(labels)
     return result
 
 
@@ -235,7 +286,8 @@ def tune_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
     """The Ray Tune function trainable: one trial, one report, and a copy of the result in the run directory."""
     from ray import tune
 
-    result = run_trial(config, setup)
+    # Intermediate evaluations go out only where a pruner reads them; the Tune stopper may end the trial at one.
+    result = run_trial(config, setup, report=tune.report if setup.get("pruner", "none") != "none" else None)
     _save(result, setup.get("run_dir"))
     tune.report(result)
 

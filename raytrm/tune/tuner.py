@@ -226,7 +226,7 @@ def _run_studies(space: SearchSpace, run_dir: Path, machines: dict[str, int], st
     from ray.tune.execution.placement_groups import PlacementGroupFactory
 
     from raytrm.tune.progress import TrialProgress
-    from raytrm.tune.ray_search import ConstrainedOptunaSearch, TierSearcher
+    from raytrm.tune.ray_search import ConstrainedOptunaSearch, PrunerStopper, TierSearcher
     from raytrm.tune.trial import tune_trainable
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -258,6 +258,7 @@ def _run_studies(space: SearchSpace, run_dir: Path, machines: dict[str, int], st
         "limits": {tier: _limits(space, tier) for tier in machines},
         "max_throughput_decay": space.limits.max_throughput_decay,
         "quality_metric": space.quality_metric,
+        "pruner": space.pruner,
         "run_dir": str(run_dir.resolve()),
     }
     trainable = tune.with_parameters(tune_trainable, setup=setup)
@@ -268,10 +269,11 @@ def _run_studies(space: SearchSpace, run_dir: Path, machines: dict[str, int], st
     )
     # Tune's own tables would bury the one-line-per-trial view; the classic output engine at verbose 0 is silent.
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    searcher = TierSearcher(searchers, remaining, machines, space.objective)
     tuner = tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
-            search_alg=TierSearcher(searchers, remaining, machines, space.objective),
+            search_alg=searcher,
             num_samples=total,
             reuse_actors=False,  # a fresh process per trial: inter-op threads and OMP settings apply once per process
         ),
@@ -279,6 +281,7 @@ def _run_studies(space: SearchSpace, run_dir: Path, machines: dict[str, int], st
             name=f"attempt-{attempt}",
             storage_path=str((run_dir / "ray").resolve()),
             verbose=0,
+            stop=PrunerStopper(searcher) if space.pruner != "none" else None,
             callbacks=[TrialProgress(stream, space.objective)],
             failure_config=tune.FailureConfig(max_failures=0),
         ),

@@ -186,3 +186,32 @@ def test_two_tiers_run_on_their_own_nodes_one_trial_at_a_time(ray_cluster, tmp_p
             assert start >= end, f"two trials at once on the {tier} node"
     a, b = spans[TIER_A], spans[TIER_B]
     assert any(sa < eb and sb < ea for sa, ea in a for sb, eb in b), "the two machines never worked in parallel"
+
+
+def test_the_pruner_stops_a_trial_that_is_behind_at_its_first_evaluation(ray_cluster, tmp_path):
+    # Two trials that learn, then one that cannot (a learning rate of 1e-7): the median pruner, past its two
+    # start-up trials, stops the third at the evaluation half-way through its window.
+    lr = {"training.lr": {"type": "categorical", "choices": [3.0e-3, 1.0e-7]}}
+    path = space_file(
+        tmp_path,
+        "pruned",
+        params={**TINY["params"], **lr},
+        start_with=[
+            {"training.micro_batch_size": 16, "model.L_cycles": 1, "training.lr": 3.0e-3},
+            {"training.micro_batch_size": 16, "model.L_cycles": 2, "training.lr": 3.0e-3},
+            {"training.micro_batch_size": 16, "model.L_cycles": 1, "training.lr": 1.0e-7},
+        ],
+        pruner="median",
+        startup_trials=2,
+        budget={"warmup_s": 1, "measure_s": 4, "evaluations": 2, "eval_puzzles": 16},
+    )
+    out = io.StringIO()
+    run_tune(str(path), out=str(tmp_path / "run"), stream=out)
+    trials = sorted(study(tmp_path / "run", f"pruned-{TIER_A}").trials, key=lambda t: t.number)
+    states = [t.state for t in trials]
+    assert states == [optuna.trial.TrialState.COMPLETE] * 2 + [optuna.trial.TrialState.PRUNED], out.getvalue()
+    assert list(trials[2].intermediate_values) == [1] and trials[2].params["training.lr"] == 1.0e-7
+    assert f"[{TIER_A} #2] pruned at evaluation 1" in out.getvalue()
+    # The two trials that ran to the end reported their half-way evaluation too, and one of them is the profile.
+    assert all(list(t.intermediate_values) == [1] for t in trials[:2])
+    assert cfg.load_profile(tmp_path / "run" / "profiles" / f"{TIER_A}.yaml").training.lr == 3.0e-3

@@ -132,3 +132,38 @@ def test_constraints_of_heat_and_decay():
     assert objectives.constraints({**base, "thermal_max": "serious"})["thermal"] == 1
     assert objectives.constraints({**base, "throughput_decay": 0.5})["decay"] == pytest.approx(0.3)
     assert objectives.constraints({**base, "peak_memory_mb": 150})["memory"] == pytest.approx(0.5)
+
+
+def test_the_pruner_stops_trials_that_fall_behind_at_an_intermediate_evaluation():
+    from raytrm.tune.search import completed_count, make_pruner
+
+    space = space_from_dict({**SPACE, "pruner": "median", "budget": {"evaluations": 3}}, "<test>")
+
+    def learning_curve(params):
+        # Quality grows over the window towards the fake trial's final quality; the curve's order is its end's.
+        result = fake_trial(params)
+        result["intermediate"] = [(k, result["quality"] * k / 3) for k in (1, 2)]
+        return result
+
+    study = optuna.create_study(direction="maximize", sampler=make_sampler(space, 0), pruner=make_pruner(space))
+    optimize(study, space.parsed, learning_curve, 30, space.objective)
+    pruned = study.get_trials(states=(optuna.trial.TrialState.PRUNED,))
+    complete = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    assert pruned and completed_count(study) == 30
+    # A pruned trial keeps its intermediate evaluations and its constraints, and was behind when it stopped.
+    finals = sorted(t.value for t in complete if objectives.is_feasible(t.constraints))
+    median_final = finals[len(finals) // 2]
+    for t in pruned:
+        assert t.intermediate_values and set(t.constraints) == set(objectives.CONSTRAINTS)
+        assert fake_trial(t.params)["quality"] < median_final
+    # The best point is still found among the trials that ran to the end.
+    assert max(finals) > 0.8
+
+
+def test_a_pruner_needs_a_single_objective_and_intermediate_evaluations():
+    from raytrm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="pruner: got 'median', expected none for a pareto study"):
+        space_from_dict({**SPACE, "pruner": "median", "objective": "pareto", "budget": {"evaluations": 2}}, "<t>")
+    with pytest.raises(ConfigError, match=r"budget.evaluations: got 1, expected 2 or more with pruner median"):
+        space_from_dict({**SPACE, "pruner": "median"}, "<t>")
