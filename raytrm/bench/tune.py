@@ -86,15 +86,19 @@ def replay(space: SearchSpace, rows: list[dict[str, Any]], seeds: int = 10, shar
     def lookup(point: dict[str, Any]) -> dict[str, Any]:
         return table[_key(point)]
 
-    out: dict[str, Any] = {"grid": len(table), "budget": budget, "optimum": optimum}
+    out: dict[str, Any] = {"grid": len(table), "budget": budget, "optimum": optimum, "trials_to_95": {}}
     for method in ("raytrm", "random"):
-        fractions = []
+        fractions, reached = [], []
         for seed in range(seeds):
             space.sampler = "tpe" if method == "raytrm" else "random"
             study = optuna.create_study(direction="maximize", sampler=make_sampler(space, seed))
             optimize(study, space.parsed, lookup, budget, objective)
-            fractions.append(max(_value(lookup(t.params), objective) for t in study.trials) / optimum)
+            found = [_value(lookup(t.params), objective) / optimum for t in study.trials]
+            fractions.append(max(found))
+            # Trials until 95% of the optimum was first reached; budget + 1 when it never was.
+            reached.append(next((i + 1 for i, f in enumerate(found) if f >= 0.95), budget + 1))
         out[method] = fractions
+        out["trials_to_95"][method] = reached
     out["deepspeed-probe"] = [_probe(space, lookup, objective, budget) / optimum]
     return out
 
@@ -121,11 +125,17 @@ def _probe(space: SearchSpace, lookup: Any, objective: str, budget: int) -> floa
 def format_replay(out: dict[str, Any]) -> str:
     lines = [
         f"grid {out['grid']} points, {out['budget']} trials each (20%), optimum {out['optimum']:.4g}",
-        f"{'method':<16} {'median best/opt':>15} {'reached 95%':>12}",
+        f"{'method':<16} {'median best/opt':>15} {'mean best/opt':>13} {'reached 95%':>12} "
+        f"{'median trials to 95%':>21}",
     ]
     for method in ("raytrm", "random", "deepspeed-probe"):
         f = out[method]
-        lines.append(f"{method:<16} {statistics.median(f):>15.3f} {sum(x >= 0.95 for x in f):>7}/{len(f)}")
+        to_95 = out["trials_to_95"].get(method)
+        shown = "" if to_95 is None else f"{statistics.median(to_95):g}"
+        lines.append(
+            f"{method:<16} {statistics.median(f):>15.3f} {statistics.mean(f):>13.3f} "
+            f"{sum(x >= 0.95 for x in f):>9}/{len(f):<2} {shown:>21}"
+        )
     return "\n".join(lines)
 
 
