@@ -58,7 +58,7 @@ def test_a_profile_is_compared_with_the_tier_defaults_side_by_side(tmp_path, cap
     path = cfg.write_yaml(cfg.to_dict(profile), tmp_path / "p.yaml")
     quick = tmp_path / "quick.yaml"
     doc = cfg.read_yaml(load_space("quick").source)
-    doc["budget"] = {"warmup_s": 0.2, "measure_s": 0.5, "eval_puzzles": 16}
+    doc["budget"] = {"warmup_s": 0.2, "measure_s": 0.5, "eval_puzzles": 16, "evaluations": 2}
     cfg.write_yaml(doc, quick)
     out_json = tmp_path / "out.json"
     assert (
