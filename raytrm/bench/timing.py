@@ -36,6 +36,30 @@ def matmul_flops_per_sec(
     return 2 * n**3 / seconds
 
 
+def measure_steps(
+    steps: list[Callable[[], object]], device: torch.device, dtype: torch.dtype, repeats: int
+) -> tuple[list[int], list[float], float]:
+    """FLOPs of one call of each step, the median seconds of each, and the median matmul rate beside them.
+
+    Each step runs once (allocations, state set-up), once under the FLOP counter and once more to warm up; then
+    one sample of each step and of the ceiling is taken per round, so a change in the machine's load reaches every
+    row and the ceiling alike. 2048^3 saturates a CPU; a GPU needs a larger product to reach its rate.
+    """
+    size = 2048 if device.type == devices.CPU else 8192
+    flops = []
+    for step in steps:
+        step()
+        flops.append(count_flops(step))
+        step()
+    samples: list[list[float]] = [[] for _ in steps]
+    rates = []
+    for _ in range(repeats):
+        for step, times in zip(steps, samples, strict=True):
+            times.append(median_seconds(step, device, warmup=0, repeats=1))
+        rates.append(matmul_flops_per_sec(device, n=size, dtype=dtype, repeats=3))
+    return flops, [statistics.median(times) for times in samples], statistics.median(rates)
+
+
 def count_flops(fn: Callable[[], object]) -> int:
     """FLOPs of the matrix products, convolutions and attention one call of fn performs, counted by torch."""
     with FlopCounterMode(display=False) as counter:

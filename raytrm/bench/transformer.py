@@ -11,18 +11,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import statistics
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from raytrm import config as cfg
-from raytrm.bench.timing import count_flops, matmul_flops_per_sec, median_seconds
+from raytrm.bench.timing import measure_steps
 from raytrm.constants import CACHE_DIR_ENV
-from raytrm.hardware import device as devices
 from raytrm.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -75,19 +72,10 @@ def _cache_in(directory: Path) -> Iterator[None]:
 
 def _measure(experiment: cfg.ExperimentConfig, repeats: int) -> TransformerRow:
     trainer = Trainer(experiment)
-    size = 2048 if trainer.device.type == devices.CPU else 8192  # a GPU needs a larger product to reach its rate
-    ceiling_dtype = torch.float32 if trainer.dtype == torch.float32 else trainer.dtype
     try:
-        trainer.train_step()  # first step: allocations
-        flops = count_flops(trainer.train_step)
-        trainer.train_step()  # warm-up
-        times, rates = [], []
-        for _ in range(repeats):  # one sample of each per round: a change in load reaches both alike
-            times.append(median_seconds(trainer.train_step, trainer.device, warmup=0, repeats=1))
-            rates.append(matmul_flops_per_sec(trainer.device, n=size, dtype=ceiling_dtype, repeats=3))
+        (flops,), (seconds,), ceiling = measure_steps([trainer.train_step], trainer.device, trainer.dtype, repeats)
     finally:
         trainer.close()
-    seconds, ceiling = statistics.median(times), statistics.median(rates)
     model, batch = experiment.model, experiment.training.global_batch_size
     row = TransformerRow(
         hidden=model.hidden_size,

@@ -14,18 +14,14 @@ reference's.
 from __future__ import annotations
 
 import logging
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from raytrm import config as cfg
 from raytrm.bench.reference import ReferenceTrainer, load_reference_classes
-from raytrm.bench.timing import count_flops, matmul_flops_per_sec, median_seconds
+from raytrm.bench.timing import measure_steps
 from raytrm.data.build import build_dataset
-from raytrm.hardware import device as devices
 from raytrm.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -66,22 +62,6 @@ def _experiment(
     return cfg.from_dict(cfg.ExperimentConfig, {"model": model, "data": {"path": str(data_dir)}, "training": training})
 
 
-def _interleaved(
-    steps: list[Callable[[], object]], ceiling: Callable[[], float], device: torch.device, repeats: int
-) -> tuple[list[float], float]:
-    """Median seconds of each (warmed-up) step and median matmul rate, measured in turn round after round.
-
-    Taking one sample of each per round lets a change in the machine's load reach every row and the ceiling alike.
-    """
-    samples: list[list[float]] = [[] for _ in steps]
-    rates = []
-    for _ in range(repeats):
-        for step, times in zip(steps, samples, strict=True):
-            times.append(median_seconds(step, device, warmup=0, repeats=1))
-        rates.append(ceiling())
-    return [statistics.median(times) for times in samples], statistics.median(rates)
-
-
 def _measure_pair(
     experiment: cfg.ExperimentConfig, data_dir: Path, reference: Path | None, repeats: int
 ) -> list[TrmRow]:
@@ -91,21 +71,8 @@ def _measure_pair(
     if reference is not None:
         ref = ReferenceTrainer(reference, experiment, data_dir, trainer.device, trainer.dtype)
         steps.append(("reference", ref.train_step))
-    # 2048^3 saturates a CPU; a GPU needs a larger product to reach its rate.
-    size = 2048 if trainer.device.type == devices.CPU else 8192
-    ceiling_dtype = torch.float32 if trainer.dtype == torch.float32 else trainer.dtype
     try:
-        flops = []
-        for _, step in steps:
-            step()  # first step: allocations, carry set-up
-            flops.append(count_flops(step))
-            step()  # warm-up
-        seconds, ceiling = _interleaved(
-            [step for _, step in steps],
-            lambda: matmul_flops_per_sec(trainer.device, n=size, dtype=ceiling_dtype, repeats=3),
-            trainer.device,
-            repeats,
-        )
+        flops, seconds, ceiling = measure_steps([step for _, step in steps], trainer.device, trainer.dtype, repeats)
     finally:
         trainer.close()
     batch, model = experiment.training.global_batch_size, experiment.model
