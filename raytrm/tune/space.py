@@ -322,24 +322,18 @@ def _check_tiers(space: SearchSpace, source: str) -> None:
     from raytrm.hardware.tiers import load_tiers
 
     known = {row.name for row in load_tiers()}
-    for i, name in enumerate(space.tiers):
+    named = [(f"tiers[{i}]", name) for i, name in enumerate(space.tiers)]
+    named += [(f"limits.tiers.{name}", name) for name in space.limits.tiers]
+    for path, name in named:
         if name not in known and not fnmatch.fnmatchcase(str(name), GENERIC_TIER_GLOB):
             raise ConfigError(
                 source,
-                f"tiers[{i}]",
+                path,
                 name,
                 "a tier name from tiers.yaml (or generic-*)",
                 "check the name with `raytrm probe` or tune_spaces/tiers.yaml",
             )
     for name, raw in space.limits.tiers.items():
-        if name not in known and not fnmatch.fnmatchcase(str(name), GENERIC_TIER_GLOB):
-            raise ConfigError(
-                source,
-                f"limits.tiers.{name}",
-                name,
-                "a tier name from tiers.yaml (or generic-*)",
-                "check the name with `raytrm probe` or tune_spaces/tiers.yaml",
-            )
         cfg.from_dict(TierLimits, raw, source, f"limits.tiers.{name}")
 
 
