@@ -62,20 +62,25 @@ def _merge(base: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> dict[s
     return merged
 
 
+def tier_settings(tier: Any) -> dict[str, Any]:
+    """The training settings a tier decides (TrainConfig field -> value): threads, loader workers, its limits."""
+    return {
+        "threads": tier.threads,
+        "interop_threads": tier.interop_threads,
+        "dataloader_workers": tier.dataloader_workers,
+        "memory_budget_mb": tier.memory_budget_mb,
+        "thermal_cap": tier.thermal_cap,
+    }
+
+
 def _with_tier_defaults(data: dict[str, Any]) -> dict[str, Any]:
-    """Fill threads and loader workers from this machine's tier where the config leaves them unset."""
+    """Fill threads, loader workers and limits from this machine's tier where the config leaves them unset."""
     from raytrm.hardware.probe import detect
     from raytrm.hardware.tiers import match_tier
 
     training = data.setdefault("training", {})
     tier = match_tier(detect())
-    for key, value in (
-        ("threads", tier.threads),
-        ("interop_threads", tier.interop_threads),
-        ("dataloader_workers", tier.dataloader_workers),
-        ("memory_budget_mb", tier.memory_budget_mb),
-        ("thermal_cap", tier.thermal_cap),
-    ):
+    for key, value in tier_settings(tier).items():
         if training.get(key) is None:
             training[key] = value
     logger.info("tier %s: %s", tier.name, tier.reason)

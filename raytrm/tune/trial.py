@@ -35,22 +35,17 @@ def resolve_for_node(experiment: dict[str, Any], limits: dict[str, Any]) -> tupl
     """
     from raytrm.hardware.probe import detect
     from raytrm.hardware.tiers import match_tier
+    from raytrm.train.defaults import tier_settings
 
     experiment, limits = copy.deepcopy(experiment), dict(limits)
     hw = detect()
-    tier = match_tier(hw)
+    settings = tier_settings(match_tier(hw))
     training = experiment.setdefault("training", {})
-    for key, value in (
-        ("threads", tier.threads),
-        ("interop_threads", tier.interop_threads),
-        ("dataloader_workers", tier.dataloader_workers),
-    ):
+    for key in ("threads", "interop_threads", "dataloader_workers"):
         if training.get(key) is None:
-            training[key] = value
-    limits.setdefault("memory_budget_mb", None)
-    limits.setdefault("thermal_cap", None)
-    limits["memory_budget_mb"] = limits["memory_budget_mb"] or tier.memory_budget_mb
-    limits["thermal_cap"] = limits["thermal_cap"] or tier.thermal_cap
+            training[key] = settings[key]
+    for key in ("memory_budget_mb", "thermal_cap"):  # the trial's limits: the space's override, else the tier's
+        limits[key] = limits.get(key) or settings[key]
     hardware = {
         "chip": hw.chip,
         "model": hw.model_name,
