@@ -50,13 +50,9 @@ def measure_grid(space: SearchSpace, out: Path) -> list[dict[str, Any]]:
         experiment, limits = resolve_for_node(cfg.to_dict(build_experiment(space.base, point)), {})
         result = measure(
             experiment,
-            warmup_s=space.budget.warmup_s,
-            measure_s=space.budget.measure_s,
             memory_budget_mb=limits["memory_budget_mb"],
             thermal_cap=limits["thermal_cap"],
-            max_throughput_decay=space.limits.max_throughput_decay,
-            quality_metric=space.quality_metric,
-            eval_puzzles=space.budget.eval_puzzles,
+            **space.measure_args(),
         )
         rows.append({"params": point, "result": {k: v for k, v in result.items() if k != "eval"}})
         out.write_text(json.dumps({"space": space.to_dict(), "rows": rows}, indent=1, default=str))
@@ -158,16 +154,7 @@ def against_defaults(space: SearchSpace, profile_path: Path, repeats: int) -> di
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
     for _ in range(repeats):
         for name, experiment in sides.items():
-            result = measure(
-                experiment,
-                warmup_s=space.budget.warmup_s,
-                measure_s=space.budget.measure_s,
-                memory_budget_mb=None,
-                thermal_cap=None,
-                max_throughput_decay=space.limits.max_throughput_decay,
-                quality_metric=space.quality_metric,
-                eval_puzzles=space.budget.eval_puzzles,
-            )
+            result = measure(experiment, memory_budget_mb=None, thermal_cap=None, **space.measure_args())
             runs[name].append({k: result[k] for k in ("status", "quality", "samples_per_sec", "peak_memory_mb")})
     medians = {
         name: {k: statistics.median(r[k] for r in rs) for k in ("quality", "samples_per_sec", "peak_memory_mb")}

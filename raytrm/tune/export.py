@@ -64,14 +64,9 @@ def verify_best(run_dir: Path, tier: str) -> dict[str, Any] | None:
     result = ray.get(
         remote.remote(
             attrs["experiment"],
-            warmup_s=space.budget.warmup_s,
-            measure_s=space.verify_s,
             memory_budget_mb=attrs.get("memory_budget_mb"),
             thermal_cap=attrs.get("thermal_cap"),
-            max_throughput_decay=space.limits.max_throughput_decay,
-            quality_metric=space.quality_metric,
-            eval_puzzles=space.budget.eval_puzzles,
-            decay_window=space.budget.decay_window,
+            **space.measure_args(space.verify_s),
         )
     )
     result["trial"] = best[0].number

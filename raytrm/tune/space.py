@@ -150,6 +150,17 @@ class SearchSpace:
     def verify_s(self) -> float:
         return self.budget.verify_s or self.budget.measure_s
 
+    def measure_args(self, measure_s: float | None = None) -> dict[str, Any]:
+        """The keyword arguments of raytrm.tune.trial.measure that the space fixes for every run of a setting."""
+        return {
+            "warmup_s": self.budget.warmup_s,
+            "measure_s": measure_s or self.budget.measure_s,
+            "eval_puzzles": self.budget.eval_puzzles,
+            "decay_window": self.budget.decay_window,
+            "max_throughput_decay": self.limits.max_throughput_decay,
+            "quality_metric": self.quality_metric,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """The file's content, as it would be written back (for the run directory's copy)."""
         out = cfg.to_dict(self)

@@ -242,7 +242,6 @@ def run_trial(
     tier, params = config["tier"], config.get("params", {})
     base = build_experiment(setup["base"], params, "<trial>")  # validated before anything heavy starts
     experiment, limits = resolve_for_node(cfg.to_dict(base), setup["limits"].get(tier, {}))
-    budget = setup["budget"]
     labels = {
         "tier": tier,
         "trial_number": config.get("trial_number"),
@@ -253,15 +252,10 @@ def run_trial(
     }
     result = measure(
         experiment,
-        warmup_s=budget["warmup_s"],
-        measure_s=budget["measure_s"],
         memory_budget_mb=limits["memory_budget_mb"],
         thermal_cap=limits["thermal_cap"],
-        max_throughput_decay=setup["max_throughput_decay"],
-        quality_metric=setup["quality_metric"],
-        eval_puzzles=budget.get("eval_puzzles"),
-        decay_window=budget.get("decay_window", 0.25),
-        evaluations=budget.get("evaluations", 1),
+        evaluations=setup["evaluations"],
+        **setup["measure"],
         report=(lambda partial: report({**partial, **labels})) if report is not None else None,
     )
     result.update(labels)

@@ -254,10 +254,9 @@ def _run_studies(space: SearchSpace, run_dir: Path, machines: dict[str, int], st
     attempt = sum(1 for _ in (run_dir / "ray").glob("attempt-*")) if (run_dir / "ray").is_dir() else 0
     setup = {
         "base": space.base,
-        "budget": cfg.to_dict(space.budget),
+        "measure": space.measure_args(),
+        "evaluations": space.budget.evaluations,
         "limits": {tier: _limits(space, tier) for tier in machines},
-        "max_throughput_decay": space.limits.max_throughput_decay,
-        "quality_metric": space.quality_metric,
         "pruner": space.pruner,
         "run_dir": str(run_dir.resolve()),
     }
