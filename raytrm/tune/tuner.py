@@ -46,24 +46,29 @@ def study_name(space: SearchSpace, tier: str) -> str:
 # -- Ray --------------------------------------------------------------------------------------------------------
 
 
+def _check_reachable(address: str) -> None:
+    """One clear line, before anything is started or written, if no Ray head can answer at HOST:PORT."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"--address {address}: expected auto or HOST:PORT, e.g. 192.168.1.10:6379")
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+    except OSError as e:
+        raise UserError(
+            f"--address {address}: cannot reach a Ray head there ({e.strerror or e}); start it with "
+            "`ray start --head` or check the address and the firewall"
+        ) from None
+
+
 def connect(address: str | None) -> bool:
     """Connect to Ray: the running one (tests), a cluster at address, or a local one started here. True if owned."""
     import ray
 
+    if address and address != "auto":
+        _check_reachable(address)
     if ray.is_initialized():
         return False
     if address:
-        if address != "auto":
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit():
-                raise UserError(f"--address {address}: expected auto or HOST:PORT, e.g. 192.168.1.10:6379")
-            try:
-                socket.create_connection((host, int(port)), timeout=3).close()
-            except OSError as e:
-                raise UserError(
-                    f"--address {address}: cannot reach a Ray head there ({e.strerror or e}); start it with "
-                    "`ray start --head` or check the address and the firewall"
-                ) from None
         try:
             ray.init(address=address, log_to_driver=True)
         except (ConnectionError, RuntimeError, ValueError) as e:
