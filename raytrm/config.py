@@ -514,11 +514,10 @@ def dump_yaml(data: Any) -> str:
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
-def write_yaml(data: Any, path: str | os.PathLike) -> Path:
-    """Write YAML atomically: a reader never sees a half-written file."""
+def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
+    """Write a file atomically: a reader, or a process killed mid-write, never leaves a half-written one."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    text = dump_yaml(data)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
@@ -528,3 +527,8 @@ def write_yaml(data: Any, path: str | os.PathLike) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return p
+
+
+def write_yaml(data: Any, path: str | os.PathLike) -> Path:
+    """Write YAML atomically."""
+    return write_text_atomic(dump_yaml(data), path)

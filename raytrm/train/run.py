@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,10 +37,7 @@ def resumable_config(run_dir: Path) -> cfg.ExperimentConfig:
 
 def write_json(data: dict[str, Any], path: Path) -> None:
     """Write JSON atomically."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+    cfg.write_text_atomic(json.dumps(data, indent=2), path)
 
 
 def run_training(

@@ -287,7 +287,6 @@ def _save(result: dict[str, Any], run_dir: str | None) -> None:
         return
     path = Path(run_dir) / "trials" / f"{result['tier']}-{result['trial_number']}.json"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, default=str))
+        cfg.write_text_atomic(json.dumps(result, default=str), path)
     except OSError as exc:  # another node's run directory may not be mounted here: the report still goes out
         logger.debug("could not keep the trial result in %s: %s", path, exc)

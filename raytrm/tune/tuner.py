@@ -141,10 +141,10 @@ def _prepare_data(space: SearchSpace) -> None:
 
 def _recover(study: optuna.Study, tier: str, run_dir: Path, objective: str) -> None:
     """Finish the trials a dead driver left RUNNING: record a saved result, or mark FAIL (not rerun)."""
-    states = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)
-    for t in study.get_trials(deepcopy=False, states=states):
+    # WAITING trials (enqueued start points not yet asked for) stay queued: the next ask takes them.
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         saved = run_dir / TRIALS_DIR / f"{tier}-{t.number}.json"
-        if t.state == optuna.trial.TrialState.RUNNING and saved.is_file():
+        if saved.is_file():
             record(study, optuna.Trial(study, t._trial_id), json.loads(saved.read_text()), objective)
             logger.info("trial %d of %s finished after its driver stopped: recorded its saved result", t.number, tier)
         else:
