@@ -12,8 +12,9 @@ from ray.tune.stopper import Stopper
 from ray.tune.utils.util import unflatten_dict
 
 from raytrm.tune import objectives
+from raytrm.tune.params import suggest
 from raytrm.tune.search import failed_result, make_pruner, make_sampler, record, should_stop
-from raytrm.tune.space import SearchSpace, suggest
+from raytrm.tune.space import SearchSpace
 
 logger = logging.getLogger(__name__)
 

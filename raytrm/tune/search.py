@@ -18,7 +18,8 @@ from typing import Any
 import optuna
 
 from raytrm.tune import objectives
-from raytrm.tune.space import ParamSpec, SearchSpace, suggest
+from raytrm.tune.params import ParamSpec, suggest
+from raytrm.tune.space import SearchSpace
 
 logger = logging.getLogger(__name__)
 
