@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from raytrm.config import THERMAL_STATES, from_dict, read_yaml, spec
+from raytrm.config import THERMAL_STATES, from_dict, read_yaml
 from raytrm.constants import spaces_dir
 from raytrm.errors import ConfigError
+from raytrm.schema import spec
 
 if TYPE_CHECKING:
     from raytrm.hardware.probe import HardwareInfo

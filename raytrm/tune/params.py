@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrm import config as cfg
-from raytrm.config import spec
 from raytrm.errors import ConfigError
+from raytrm.schema import spec
 
 PARAM_TYPES = ("int", "float", "log", "categorical")
 #: Training fields that define the run rather than its speed or quality: the budget sets them for every trial.

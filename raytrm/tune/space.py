@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from raytrm import config as cfg
-from raytrm.config import THERMAL_STATES, spec
+from raytrm.config import THERMAL_STATES
 from raytrm.constants import spaces_dir
 from raytrm.errors import ConfigError, UserError
+from raytrm.schema import spec
 from raytrm.tune.params import ParamSpec, parse_param
 
 SPACE_SCHEMA_VERSION = 1

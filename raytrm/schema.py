@@ -1,0 +1,234 @@
+"""The machinery of raytrm's typed configs: fields with their rules, checked loading from mappings, YAML files.
+
+A config is a dataclass whose fields come from spec(): a default, a one-line description and a validation rule.
+from_dict rejects unknown keys, wrong types and out-of-range values with one line naming the file, the field path,
+what was received, what was expected and how to fix it. raytrm.config holds the configs themselves.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import os
+import tempfile
+import types
+import typing
+from dataclasses import field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from raytrm.errors import ConfigError, UserError
+
+T = TypeVar("T")
+
+
+def spec(
+    default: Any,
+    doc: str,
+    *,
+    choices: tuple | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    when: tuple[str, ...] | None = None,
+) -> Any:
+    """A dataclass field with its description and validation rule.
+
+    when: the values of the config's `name` (model family, dataset kind) the field applies to; None = all.
+    """
+    rules = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le, "when": when}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=rules)
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: dataclasses.replace(default), metadata=rules)
+    return field(default=default, metadata=rules)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def applies(f: dataclasses.Field, name: str) -> bool:
+    """Whether the field applies to a config whose `name` (model family, dataset kind) is name."""
+    when = f.metadata.get("when")
+    return when is None or name in when
+
+
+def check_applies(obj: Any, source: str, prefix: str) -> None:
+    """Refuse a field set away from its default where it does not apply (to this model family, dataset kind)."""
+    for f in dataclasses.fields(obj):
+        if not applies(f, obj.name) and getattr(obj, f.name) != _default(f):
+            when = f.metadata["when"]
+            raise ConfigError(
+                source,
+                f"{prefix}.{f.name}",
+                getattr(obj, f.name),
+                f"no value: it applies to {' and '.join(when)}, not {obj.name}",
+                f"remove it, or set {prefix}.name to {when[0]}",
+            )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    names = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "true or false",
+        list: "a list",
+        dict: "a mapping",
+    }
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(value: Any, tp: Any, source: str, path: str) -> Any:
+    """Check value against the annotation tp; returns the value (dataclasses built, ints widened to float)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, source, path)
+            except ConfigError:
+                pass
+        raise ConfigError(source, path, value, _type_name(tp))
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, source, path)
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, tp)
+    if not ok:
+        raise ConfigError(source, path, value, _type_name(tp))
+    return value
+
+
+def _check_rules(value: Any, meta: typing.Mapping, source: str, path: str) -> None:
+    if value is None:
+        return
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        raise ConfigError(source, path, value, "one of " + ", ".join(map(str, meta["choices"])))
+    for key, ok, word in (
+        ("ge", lambda v, b: v >= b, ">="),
+        ("gt", lambda v, b: v > b, ">"),
+        ("le", lambda v, b: v <= b, "<="),
+    ):
+        bound = meta.get(key)
+        if bound is not None and not ok(value, bound):
+            raise ConfigError(source, path, value, f"a value {word} {bound}")
+
+
+def from_dict(cls: type[T], data: Any, source: str = "<config>", prefix: str = "") -> T:
+    """Build the dataclass cls from a mapping, rejecting unknown keys and invalid values with one clear line."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(source, prefix or "(top level)", data, "a mapping of field: value")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else "remove it"
+            raise UserError(f"{source}: {path}: unknown field; {hint} (known: {', '.join(fields)})")
+        value = _coerce(value, hints[key], source, path)
+        _check_rules(value, fields[key].metadata, source, path)
+        kwargs[key] = value
+    obj = cls(**kwargs)
+    if hasattr(obj, "validate"):
+        obj.validate(source, prefix or cls.__name__)
+    return obj
+
+
+def to_dict(obj: Any) -> dict:
+    """A plain dict (YAML-ready) of a config dataclass, without the fields that do not apply to it.
+
+    A field that does not apply (a transformer field in a TRM config, a Sudoku field of a text dataset) is always at
+    its default, so leaving it out loses nothing and keeps profiles and run configs to what matters.
+    """
+    out = {}
+    for f in dataclasses.fields(obj):
+        if hasattr(obj, "name") and not applies(f, obj.name):
+            continue
+        value = getattr(obj, f.name)
+        out[f.name] = to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+    return out
+
+
+def describe(cls: type) -> dict[str, str]:
+    """Field name -> one-line description, for help texts and docs."""
+    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# YAML files
+
+
+def read_yaml(path: str | os.PathLike) -> Any:
+    """Parse a YAML file; a missing or malformed file is a UserError naming the file and the line."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: no such file; check the path")
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise UserError(f"{p}: malformed YAML{where}: {problem}; fix the syntax there") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{p}: not a text file; expected UTF-8 YAML") from None
+
+
+def load(cls: type[T], path: str | os.PathLike) -> T:
+    """Read and validate one config file."""
+    return from_dict(cls, read_yaml(path), str(path))
+
+
+def dump_yaml(data: Any) -> str:
+    """YAML text of a config dataclass or plain data, in field order."""
+    if dataclasses.is_dataclass(data):
+        data = to_dict(data)
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+
+
+def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
+    """Write a file atomically: a reader, or a process killed mid-write, never leaves a half-written one."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
+
+
+def write_yaml(data: Any, path: str | os.PathLike) -> Path:
+    """Write YAML atomically."""
+    return write_text_atomic(dump_yaml(data), path)
