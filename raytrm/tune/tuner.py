@@ -39,6 +39,26 @@ def storage_url(run_dir: Path) -> str:
     return f"sqlite:///{run_dir.resolve() / STUDY_DB}"
 
 
+def open_storage(run_dir: Path, attempts: int = 5) -> optuna.storages.RDBStorage:
+    """The run's study storage, its schema created if new.
+
+    Two processes opening a new SQLite file at once (the driver and a dashboard, `optuna trials` or a test watching the
+    run) race to create the schema, and the loser gets "table already exists" or a duplicate schema version. By then
+    the schema exists, so opening again succeeds.
+    """
+    import sqlalchemy.exc
+
+    path = run_dir / STUDY_DB
+    for attempt in range(1, attempts + 1):
+        try:
+            return optuna.storages.RDBStorage(storage_url(run_dir))
+        except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError) as e:
+            error = str(e).splitlines()[0]
+            logger.debug("opening %s failed (%s), attempt %d of %d", path, error, attempt, attempts)
+            time.sleep(0.1 * attempt)
+    raise UserError(f"{path}: cannot open the study storage ({error}); check that the run directory is writable")
+
+
 def study_name(space: SearchSpace, tier: str) -> str:
     return f"{space.name}-{tier}"
 
@@ -235,7 +255,7 @@ def _run_studies(space: SearchSpace, run_dir: Path, machines: dict[str, int], st
     from raytrm.tune.trial import tune_trainable
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = optuna.storages.RDBStorage(storage_url(run_dir))
+    storage = open_storage(run_dir)
     searchers, remaining = {}, {}
     for tier in machines:
         name = study_name(space, tier)

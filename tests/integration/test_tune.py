@@ -19,7 +19,7 @@ import yaml
 from raytrm import config as cfg
 from raytrm.cli import main
 from raytrm.tune import objectives
-from raytrm.tune.tuner import STUDY_DB, run_tune
+from raytrm.tune.tuner import STUDY_DB, open_storage, run_tune
 
 TIER_A, TIER_B = "macbook-air-8gb", "mac-desktop-16gb"  # the conftest's two logical nodes
 
@@ -58,7 +58,8 @@ def space_file(tmp_path, name="space", **changes) -> Path:
 
 
 def study(run_dir: Path, name: str) -> optuna.Study:
-    return optuna.load_study(study_name=name, storage=f"sqlite:///{run_dir / STUDY_DB}")
+    # open_storage, because the driver may be creating the schema of a new study.db right now
+    return optuna.load_study(study_name=name, storage=open_storage(run_dir))
 
 
 def complete(s: optuna.Study) -> list:
@@ -136,12 +137,14 @@ def test_resume_after_the_driver_is_killed(ray_cluster, tmp_path):
     run = tmp_path / "run"
     path = space_file(tmp_path, "resume", trials=4)
     address = ray.get_runtime_context().gcs_address
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "raytrm.cli", "tune", "--space", str(path), "--out", str(run), "--address", address],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    log = tmp_path / "driver.log"
+    with log.open("w") as out:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "raytrm.cli", "tune", "--space", str(path), "--out", str(run), "--address", address],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     name = f"resume-{TIER_A}"
     try:
         deadline = time.monotonic() + 240
@@ -152,12 +155,13 @@ def test_resume_after_the_driver_is_killed(ray_cluster, tmp_path):
                         break
                 except KeyError:  # the study is not created yet
                     pass
-            assert driver.poll() is None, "the driver ended before it was killed"
+            assert driver.poll() is None, "the driver ended before it was killed:\n" + log.read_text()[-3000:]
             time.sleep(0.5)
         else:
             pytest.fail("two trials did not complete in time")
     finally:
-        os.killpg(driver.pid, signal.SIGKILL)
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
     before = {t.number: (t.params, t.values) for t in complete(study(run, name))}
     assert 2 <= len(before) < 4
