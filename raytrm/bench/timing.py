@@ -60,6 +60,18 @@ def measure_steps(
     return flops, [statistics.median(times) for times in samples], statistics.median(rates)
 
 
+def step_rates(batch: int, flops: float, seconds: float, ceiling: float) -> dict[str, float]:
+    """The rate fields every bench row shares, from one step's FLOPs and median seconds and the matmul ceiling."""
+    return {
+        "step_seconds": seconds,
+        "samples_per_sec": batch / seconds,
+        "gflop_per_step": flops / 1e9,
+        "gflops": flops / seconds / 1e9,
+        "matmul_gflops": ceiling / 1e9,
+        "fraction_of_matmul": flops / seconds / ceiling,
+    }
+
+
 def count_flops(fn: Callable[[], object]) -> int:
     """FLOPs of the matrix products, convolutions and attention one call of fn performs, counted by torch."""
     with FlopCounterMode(display=False) as counter:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from raytrm import config as cfg
-from raytrm.bench.timing import measure_steps
+from raytrm.bench.timing import measure_steps, step_rates
 from raytrm.constants import CACHE_DIR_ENV
 from raytrm.train.trainer import Trainer
 
@@ -84,13 +84,8 @@ def _measure(experiment: cfg.ExperimentConfig, repeats: int) -> TransformerRow:
         batch=batch,
         device=trainer.device.type,
         dtype=str(trainer.dtype).removeprefix("torch."),
-        step_seconds=seconds,
         tokens_per_sec=batch * model.seq_len / seconds,
-        samples_per_sec=batch / seconds,
-        gflop_per_step=flops / 1e9,
-        gflops=flops / seconds / 1e9,
-        matmul_gflops=ceiling / 1e9,
-        fraction_of_matmul=flops / seconds / ceiling,
+        **step_rates(batch, flops, seconds, ceiling),
     )
     logger.info("%s", row)
     return row

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from raytrm import config as cfg
 from raytrm.bench.reference import ReferenceTrainer, load_reference_classes
-from raytrm.bench.timing import measure_steps
+from raytrm.bench.timing import measure_steps, step_rates
 from raytrm.data.build import build_dataset
 from raytrm.train.trainer import Trainer
 
@@ -83,13 +83,8 @@ def _measure_pair(
             batch=batch,
             device=trainer.device.type,
             dtype=str(trainer.dtype).removeprefix("torch."),
-            step_seconds=s,
-            samples_per_sec=batch / s,
-            gflop_per_step=f / 1e9,
-            gflops=f / s / 1e9,
-            matmul_gflops=ceiling / 1e9,
-            fraction_of_matmul=f / s / ceiling,
             impl=impl,
+            **step_rates(batch, f, s, ceiling),
         )
         for (impl, _), f, s in zip(steps, flops, seconds, strict=True)
     ]
