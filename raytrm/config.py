@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from raytrm.errors import ConfigError
-from raytrm.schema import applies, check_applies, spec
+from raytrm.schema import applies, check_applies, read_versioned_yaml, spec
 from raytrm.schema import describe as describe
 from raytrm.schema import dump_yaml as dump_yaml
 from raytrm.schema import from_dict as from_dict
@@ -315,13 +315,6 @@ class Profile:
 
 def load_profile(path: str | os.PathLike) -> Profile:
     """Read a profile; a missing or newer schema version is refused with the fix."""
-    data = read_yaml(path)
-    if isinstance(data, dict) and "raytrm_profile" not in data:
-        raise ConfigError(
-            str(path),
-            "raytrm_profile",
-            None,
-            f"schema version {PROFILE_SCHEMA_VERSION}",
-            "this is not a raytrm profile; export one with `raytrm export RUN_DIR`",
-        )
+    fix = "this is not a raytrm profile; export one with `raytrm export RUN_DIR`"
+    data = read_versioned_yaml(path, "raytrm_profile", PROFILE_SCHEMA_VERSION, fix)
     return from_dict(Profile, data, str(path))

@@ -202,6 +202,14 @@ def read_yaml(path: str | os.PathLike) -> Any:
         raise UserError(f"{p}: not a text file; expected UTF-8 YAML") from None
 
 
+def read_versioned_yaml(path: str | os.PathLike, key: str, version: int, fix: str) -> Any:
+    """Parse a YAML file that must carry `key: version` (a profile, a space); fix says what to do when it does not."""
+    data = read_yaml(path)
+    if isinstance(data, dict) and key not in data:
+        raise ConfigError(str(path), key, None, f"schema version {version}", fix)
+    return data
+
+
 def load(cls: type[T], path: str | os.PathLike) -> T:
     """Read and validate one config file."""
     return from_dict(cls, read_yaml(path), str(path))

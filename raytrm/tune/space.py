@@ -20,7 +20,7 @@ from raytrm import config as cfg
 from raytrm.config import THERMAL_STATES
 from raytrm.constants import spaces_dir
 from raytrm.errors import ConfigError, UserError
-from raytrm.schema import spec
+from raytrm.schema import read_versioned_yaml, spec
 from raytrm.tune.params import ParamSpec, parse_param
 
 SPACE_SCHEMA_VERSION = 1
@@ -152,15 +152,8 @@ def resolve_space_path(path: str | os.PathLike | None) -> Path:
 def load_space(path: str | os.PathLike | None = None) -> SearchSpace:
     """Read and validate a space file (see the module docstring)."""
     p = resolve_space_path(path)
-    data = cfg.read_yaml(p)
-    if isinstance(data, dict) and "raytrm_space" not in data:
-        raise ConfigError(
-            str(p),
-            "raytrm_space",
-            None,
-            f"schema version {SPACE_SCHEMA_VERSION}",
-            "this is not a search space; add `raytrm_space: 1` or pick a file in tune_spaces/",
-        )
+    fix = "this is not a search space; add `raytrm_space: 1` or pick a file in tune_spaces/"
+    data = read_versioned_yaml(p, "raytrm_space", SPACE_SCHEMA_VERSION, fix)
     return space_from_dict(data, str(p), default_name=p.stem)
 
 
