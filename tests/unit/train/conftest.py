@@ -1,8 +1,9 @@
-"""A tiny Sudoku dataset and tiny TRM configs shared by the trainer tests."""
+"""A tiny Sudoku dataset, tiny TRM configs and a scripted allocator failure, shared by the trainer tests."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from raytrm import config as cfg
 from raytrm.data.build import build_dataset
@@ -46,3 +47,24 @@ def tiny(sudoku_dir):
         return cfg.from_dict(cfg.ExperimentConfig, data)
 
     return make
+
+
+@pytest.fixture
+def fail_forward(monkeypatch):
+    """Make a model class's forward raise the allocator's out-of-memory error at the given call numbers.
+
+    CUDA and MPS raise when a micro-batch does not fit; the CPU never does, so the tests script it.
+    """
+
+    def install(model_cls: type, at: tuple[int, ...], message: str) -> None:
+        real, calls = model_cls.forward, {"n": 0}
+
+        def forward(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] in at:
+                raise torch.OutOfMemoryError(message)
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(model_cls, "forward", forward)
+
+    return install

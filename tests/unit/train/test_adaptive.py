@@ -63,7 +63,7 @@ class ScriptedMemory:
         return MemoryReading(pressure=self.pressure_at.get(self.calls))
 
 
-def test_scripted_pressure_and_out_of_memory_change_nothing_learned(tiny, tmp_path, monkeypatch):
+def test_scripted_pressure_and_out_of_memory_change_nothing_learned(tiny, tmp_path, fail_forward):
     lr = 3e-3
     plain = run_training(tiny(training={"steps": 8, "lr": lr}), tmp_path / "plain")
 
@@ -71,15 +71,7 @@ def test_scripted_pressure_and_out_of_memory_change_nothing_learned(tiny, tmp_pa
     # here a scripted one stands in), plus scripted pressure at steps 5 and 6.
     from raytrm.models.trm import TRM
 
-    real_forward, calls = TRM.forward, {"n": 0}
-
-    def flaky_forward(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] in (9, 20):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (scripted)")
-        return real_forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(TRM, "forward", flaky_forward)
+    fail_forward(TRM, at=(9, 20), message="CUDA out of memory. Tried to allocate 2.00 GiB (scripted)")
     adapted = run_training(
         tiny(training={"steps": 8, "lr": lr, "memory_budget_mb": 20000}),
         tmp_path / "adapted",

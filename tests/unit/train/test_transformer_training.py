@@ -187,7 +187,7 @@ def test_the_cli_trains_a_transformer_and_prints_its_scores(corpora, tmp_path, c
     assert "majority class" in capsys.readouterr().out
 
 
-def test_memory_adaptation_and_out_of_memory_redo_change_nothing_learned(small, tmp_path, monkeypatch):
+def test_memory_adaptation_and_out_of_memory_redo_change_nothing_learned(small, tmp_path, fail_forward):
     from raytrm.hardware.pressure import MemoryReading
     from raytrm.models.transformer import Transformer
     from raytrm.train.adaptive import GovernorSettings
@@ -200,17 +200,9 @@ def test_memory_adaptation_and_out_of_memory_redo_change_nothing_learned(small, 
             return MemoryReading(pressure={2: "warn"}.get(self.calls))
 
     plain = run_training(small("lm", steps=7), tmp_path / "plain")
-    real_forward, calls = Transformer.forward, {"n": 0}
-
-    def flaky_forward(self, *args, **kwargs):
-        calls["n"] += 1
-        # The allocator refuses two micro-batches (CUDA and MPS raise; scripted here): the 3rd forward (step 1, at
-        # the first probe's micro-batch 4) and the 70th (step 4, after pressure shrank the cut and calm grew it).
-        if calls["n"] in (3, 70):
-            raise torch.OutOfMemoryError("MPS backend out of memory (scripted)")
-        return real_forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(Transformer, "forward", flaky_forward)
+    # The allocator refuses two micro-batches: the 3rd forward (step 1, at the first probe's micro-batch 4) and the
+    # 70th (step 4, after pressure shrank the cut and calm grew it).
+    fail_forward(Transformer, at=(3, 70), message="MPS backend out of memory (scripted)")
     adapted = run_training(
         small("lm", steps=7, memory_budget_mb=20000),
         tmp_path / "adapted",
