@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,8 @@ from typing import Any, TextIO
 import optuna
 
 from raytrm import config as cfg
-from raytrm.constants import RESOURCE_MACHINE, TIER_RESOURCE_PREFIX, tier_resource
+from raytrm.constants import RESOURCE_MACHINE, tier_resource
+from raytrm.distributed.cluster import cluster_tiers, connect
 from raytrm.errors import UserError
 from raytrm.tune import objectives
 from raytrm.tune.search import completed_count, record
@@ -64,68 +64,6 @@ def study_name(space: SearchSpace, tier: str) -> str:
 
 
 # -- Ray --------------------------------------------------------------------------------------------------------
-
-
-def _check_reachable(address: str) -> None:
-    """One clear line, before anything is started or written, if no Ray head can answer at HOST:PORT."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise UserError(f"--address {address}: expected auto or HOST:PORT, e.g. 192.168.1.10:6379")
-    try:
-        socket.create_connection((host, int(port)), timeout=3).close()
-    except OSError as e:
-        raise UserError(
-            f"--address {address}: cannot reach a Ray head there ({e.strerror or e}); start it with "
-            "`ray start --head` or check the address and the firewall"
-        ) from None
-
-
-def connect(address: str | None) -> bool:
-    """Connect to Ray: the running one (tests), a cluster at address, or a local one started here. True if owned."""
-    import ray
-
-    if address and address != "auto":
-        _check_reachable(address)
-    if ray.is_initialized():
-        return False
-    if address:
-        try:
-            ray.init(address=address, log_to_driver=True)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise UserError(f"--address {address}: could not join the Ray cluster: {str(e).splitlines()[0]}") from None
-        return True
-    from raytrm.hardware.probe import detect
-    from raytrm.hardware.tiers import match_tier
-
-    tier = match_tier(detect())
-    ray.init(
-        num_cpus=os.cpu_count() or 1,
-        include_dashboard=False,
-        resources={RESOURCE_MACHINE: 1, tier_resource(tier.name): 1},
-    )
-    logger.info("started a local Ray: one machine of tier %s", tier.name)
-    return True
-
-
-def cluster_tiers() -> dict[str, int]:
-    """Tier name -> number of alive machines advertising it (and one raytrm machine unit)."""
-    import ray
-
-    tiers: dict[str, int] = {}
-    for node in ray.nodes():
-        res = node.get("Resources", {}) if node.get("Alive") else {}
-        if res.get(RESOURCE_MACHINE):
-            for key in res:
-                if key.startswith(TIER_RESOURCE_PREFIX):
-                    name = key[len(TIER_RESOURCE_PREFIX) :]
-                    tiers[name] = tiers.get(name, 0) + 1
-    if not tiers:
-        raise UserError(
-            "the Ray cluster has no raytrm machine: start each node with "
-            f"""`ray start ... --resources='{{"{RESOURCE_MACHINE}": 1, "{TIER_RESOURCE_PREFIX}TIER": 1}}'` """
-            "(`raytrm probe` names the tier)"
-        )
-    return tiers
 
 
 def trial_resources(tier: str) -> dict[str, float]:
