@@ -96,9 +96,11 @@ def collective_backend(device: torch.device) -> str:
     return "nccl" if device.type == CUDA else "gloo"
 
 
-def stage_for_collective(device: torch.device) -> bool:
-    """Whether gradients must be copied to the CPU before the collective (MPS with gloo)."""
-    return device.type == MPS
+def collective_device(device: torch.device) -> torch.device:
+    """Where a collective's tensors live: the device itself for NCCL, the CPU for gloo (so MPS is staged there)."""
+    import torch
+
+    return device if collective_backend(device) == "nccl" else torch.device(CPU)
 
 
 def synchronize(device: torch.device) -> None:

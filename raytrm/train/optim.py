@@ -138,9 +138,15 @@ class SignSGD(torch.optim.Optimizer):
         for group, embedding in zip(self.param_groups, self.embeddings, strict=True):
             seen = embedding.sparse_grad()
             embedding.clear_grad()
-            if seen is None:
+            if self.gather is not None:  # a collective: called by every worker, even one that saw no row
+                empty = (
+                    embedding.weight.new_empty(0, dtype=torch.long),
+                    embedding.weight.new_empty(0, embedding.weight.shape[1]),
+                )
+                seen = self.gather(*(seen or empty))
+            if seen is None or seen[0].numel() == 0:
                 continue
-            ids, grads = self.gather(*seen) if self.gather is not None else seen
+            ids, grads = seen
             sparse_signsgd_(embedding.weight, ids, grads, group["lr"], group["weight_decay"])
         return loss
 

@@ -37,7 +37,7 @@ class Task(Protocol):
     #: Tokens a training sample holds, where throughput is counted in tokens (the language model); else None.
     tokens_per_sample: int | None
 
-    def begin_step(self, batch: Batch, global_batch: int) -> Any: ...
+    def begin_step(self, batch: Batch, global_batch: int, part: slice) -> Any: ...
     def micro_step(self, batch: Batch, part: slice, step: Any) -> tuple[float, dict[str, float]]: ...
     def rates(self, totals: dict[str, float], global_batch: int) -> dict[str, float | None]: ...
     def snapshot(self) -> Any: ...
@@ -69,7 +69,7 @@ def _test_batches(data: Any, batch_size: int, max_batches: int | None, device: t
 
 
 class TRMTask:
-    """TRM on puzzles: one carry for all slots of the global batch; micro-batches read and write their slice."""
+    """TRM on puzzles: one carry for this worker's slots of the global batch; micro-batches read and write theirs."""
 
     tokens_per_sample = None
 
@@ -93,16 +93,18 @@ class TRMTask:
         # Slots keep their state across steps, so the cut can change between steps without touching any slot.
         self.carry: Carry | None = None
 
-    def begin_step(self, batch: Batch, global_batch: int) -> Exploration:
+    def begin_step(self, batch: Batch, global_batch: int, part: slice) -> Exploration:
+        """batch holds this worker's slots `part` of the global batch."""
         model_cfg = self.config.model
-        # Drawn for the whole global batch, then sliced: the draws do not depend on the cut (nor on a redo).
+        # Drawn for the whole global batch on every worker, then sliced: the draws do not depend on the cut, on a
+        # redo, or on how the batch is split between workers.
         exploration = Exploration.draw(
             global_batch,
             model_cfg.halt_exploration_prob,
             model_cfg.halt_max_steps,
             generator=self.explore_rng,
             device=self.device,
-        )
+        )[part]
         if self.carry is None:
             self.carry = self.model.initial_carry(batch)
         self._global_batch = global_batch
@@ -210,7 +212,7 @@ class TransformerTask:
         self.model = Transformer(config.model, meta.vocab_size, meta.num_classes, meta.pad_id, dtype=dtype).to(device)
         self._baseline: np.ndarray | None = None
 
-    def begin_step(self, batch: Batch, global_batch: int) -> int:
+    def begin_step(self, batch: Batch, global_batch: int, part: slice) -> int:
         """The loss divisor: the global batch's tokens (lm) or documents (classify)."""
         return global_batch * (self.tokens_per_sample or 1)
 

@@ -3,7 +3,9 @@
 Life cycle (as torchtitan's): `__init__` builds every component from its config, `train_step` does one optimizer
 step over one global batch (micro-batches x accumulation), `train` loops until the step count or the time budget,
 `evaluate` scores the EMA weights on held-out data, `state_dict` / `load_state_dict` capture everything a resume
-needs, `close` releases files. Ray code wraps a Trainer; it never reaches into it. What differs between model
+needs, `close` releases files. Ray code wraps a Trainer; it never reaches into it. Data-parallel training hands it
+a sync object (raytrm.distributed.sync) and its share of each global batch: it trains its own slots and asks the sync
+object for the rest (summed gradients and metrics, the carry of slots that move). What differs between model
 families (TRM's carry and halting, the transformer's losses, their data and evaluations) is a task
 (raytrm.train.tasks) the Trainer builds from the config.
 """
@@ -16,7 +18,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,8 @@ import torch
 
 from raytrm import config as cfg
 from raytrm.data.loader import global_batches
+from raytrm.distributed.shares import shard, split
+from raytrm.distributed.sync import GradientSync, LocalSync
 from raytrm.hardware import device as devices
 from raytrm.models.trm import Carry
 from raytrm.train.memory import cut
@@ -38,13 +42,15 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class StepResult:
-    """What one optimizer step measured."""
+    """What one optimizer step measured (loss, metrics and samples over the whole global batch)."""
 
     step: int
     loss: float
     metrics: dict[str, float | None]
     seconds: float
     samples: int
+    compute_seconds: float = 0.0  # this worker's forward and backward over its own share
+    sync_seconds: float = 0.0  # this worker's gradient all-reduce (0 alone)
 
 
 def lr_at(step: int, train: cfg.TrainConfig, total_steps: int | None) -> float:
@@ -68,6 +74,8 @@ class Trainer:
         *,
         threads: int | None = None,
         interop_threads: int | None = None,
+        sync: GradientSync | None = None,
+        shares: Sequence[int] | None = None,
     ) -> None:
         self.config = config
         train = config.training
@@ -85,12 +93,20 @@ class Trainer:
         self.model = self.task.model
         self.optimizer = self._build_optimizer()
         self.sparse_optimizer = self.task.sparse_optimizer
+        self.sync: GradientSync = sync or LocalSync()
+        if self.sparse_optimizer is not None and self.sync.world_size > 1:
+            # Every worker applies SignSGD to the union of the rows all workers touched, so tables stay equal.
+            self.sparse_optimizer.gather = self.sync.gather_rows
         self.ema = ModelEMA(self.model, decay=train.ema_decay, warmup=train.ema_warmup) if train.ema else None
         #: Tokens per training sample where throughput is counted in tokens (the language model), else None.
         self.tokens_per_sample = self.task.tokens_per_sample
 
         self.global_batch = train.global_batch_size
-        self.cuts = cut(self.global_batch, train.micro_batch)
+        #: Samples of each global batch per worker, in rank order; this worker trains the slots of `shard`.
+        self.shares = list(shares) if shares else split(self.global_batch, [1.0] * self.sync.world_size)
+        self.shard = shard(self.shares, self.sync.rank)
+        self.cuts = cut(self.local_batch, train.micro_batch)
+        self.last_compute_s = self.last_sync_s = 0.0
         self.step = 0
         self.samples_seen = 0
         self.samples_seen_this_run = 0
@@ -102,6 +118,11 @@ class Trainer:
     def carry(self) -> Carry | None:
         """TRM's carry: one slot per sample of the global batch (None before the first step, and for transformers)."""
         return self.task.carry
+
+    @property
+    def local_batch(self) -> int:
+        """This worker's share of the global batch (the whole batch alone)."""
+        return self.shard.stop - self.shard.start
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         train = self.config.training
@@ -140,7 +161,8 @@ class Trainer:
         loss, metrics = self.forward_backward(batch, on_out_of_memory=on_out_of_memory)
         self.optimizer_step()
         devices.synchronize(self.device)
-        return StepResult(self.step, loss, metrics, time.perf_counter() - start, self.global_batch)
+        seconds = time.perf_counter() - start
+        return StepResult(self.step, loss, metrics, seconds, self.global_batch, self.last_compute_s, self.last_sync_s)
 
     def forward_backward(
         self, batch: dict[str, torch.Tensor] | None = None, on_out_of_memory: Callable[[int], int] | None = None
@@ -148,23 +170,37 @@ class Trainer:
         """Accumulate the gradient of one global batch, cut into micro-batches; each TRM slot keeps its own carry.
 
         Every micro-batch's loss is divided by a count of the whole global batch (the task's), so the accumulated
-        gradient is the gradient of the whole batch whatever the cut. Returns the loss and the metrics as rates.
+        gradient is the gradient of the whole batch whatever the cut; with several workers each accumulates its own
+        slots and the sync object sums gradients and metrics. Returns the loss and the metrics as rates.
         """
         batch = self._next_global_batch() if batch is None else batch
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        step = self.task.begin_step(batch, self.global_batch)
+        batch = {k: v[self.shard].to(self.device, non_blocking=True) for k, v in batch.items()}
+        start = time.perf_counter()
+        step = self.task.begin_step(batch, self.global_batch, self.shard)
         # Only allocators that raise need a copy to redo from; on the CPU nothing raises, so nothing is copied.
         saved = self.task.snapshot() if on_out_of_memory else None
         while True:
             try:
-                return self._accumulate(batch, step)
+                loss, totals = self._accumulate(batch, step)
+                break
             except Exception as error:
                 if on_out_of_memory is None or not is_out_of_memory(error):
                     raise
                 self._discard_partial_step(saved)
                 self.set_micro_batch(on_out_of_memory(self.step))
+        if self.sync.world_size > 1:
+            devices.synchronize(self.device)  # the balancer compares workers' compute times: count queued work
+            self.last_compute_s = time.perf_counter() - start
+            self.last_sync_s = self.sync.all_reduce_gradients(list(self.model.parameters()))
+            keys = sorted(totals)
+            summed = self.sync.sum_floats([loss, *(totals[k] for k in keys)])
+            loss, totals = summed[0], dict(zip(keys, summed[1:], strict=True))
+        else:
+            self.last_compute_s = time.perf_counter() - start
+        return loss, self.task.rates(totals, self.global_batch)
 
-    def _accumulate(self, batch: dict[str, torch.Tensor], step: Any) -> tuple[float, dict]:
+    def _accumulate(self, batch: dict[str, torch.Tensor], step: Any) -> tuple[float, dict[str, float]]:
+        """This worker's loss and metric sums over its micro-batches."""
         self.model.train()
         totals: dict[str, float] = {}
         loss_sum = 0.0
@@ -173,7 +209,7 @@ class Trainer:
             loss_sum += loss
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
-        return loss_sum, self.task.rates(totals, self.global_batch)
+        return loss_sum, totals
 
     def _discard_partial_step(self, saved: Any) -> None:
         """Forget the gradient and state updates (TRM's carry) of a step that failed part-way."""
@@ -189,14 +225,33 @@ class Trainer:
         return max(self.cuts)
 
     def slices(self) -> list[slice]:
-        """The global batch's micro-batches, as slices of its slots."""
+        """This worker's micro-batches, as slices of its own slots."""
         bounds = [0, *itertools.accumulate(self.cuts)]
         return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
     def set_micro_batch(self, micro_batch: int) -> list[int]:
-        """Re-cut the global batch into micro-batches of at most micro_batch; samples and gradient are unchanged."""
-        self.cuts = cut(self.global_batch, micro_batch)
+        """Re-cut this worker's share into micro-batches of at most micro_batch; samples and gradient are unchanged."""
+        self.cuts = cut(self.local_batch, micro_batch)
         return self.cuts
+
+    def set_shares(self, shares: Sequence[int]) -> None:
+        """Split the following global batches anew between the workers (every rank calls it with the same shares).
+
+        TRM's carry slots move with their samples: the whole carry is gathered, then each worker keeps its new slots.
+        """
+        full = self._global_carry()
+        self.shares = list(shares)
+        self.shard = shard(self.shares, self.sync.rank)
+        if full is not None:
+            self.task.load_carry({k: v[self.shard] for k, v in full.items()}, self.device)
+        self.cuts = cut(self.local_batch, self.micro_batch)
+
+    def _global_carry(self) -> dict[str, torch.Tensor] | None:
+        """The carry of every slot of the global batch (a collective with several workers); None without one."""
+        state = self.task.carry_state()
+        if state is None or self.sync.world_size == 1:
+            return state
+        return {k: self.sync.gather_slots(v, self.shard, self.global_batch) for k, v in state.items()}
 
     def optimizer_step(self) -> None:
         """Apply the accumulated gradient: main optimizer, SignSGD on the puzzle embedding, then the EMA."""
@@ -239,14 +294,18 @@ class Trainer:
     # -- state -----------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs: model, optimizers, EMA, carry, step, RNG states, data position, config."""
+        """Everything a resume needs: model, optimizers, EMA, carry, step, RNG states, data position, config.
+
+        The carry is the whole global batch's, so a resume may split it between another number of workers.
+        """
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "sparse_optimizer": self.sparse_optimizer.state_dict() if self.sparse_optimizer else None,
             "ema": self.ema.state_dict() if self.ema else None,
-            "carry": self.task.carry_state(),
+            "carry": self._global_carry(),
             "cuts": list(self.cuts),
+            "shares": list(self.shares),
             "step": self.step,
             "samples_seen": self.samples_seen,
             "rng": {"torch": torch.get_rng_state(), **self.task.rng_state()},
@@ -268,8 +327,11 @@ class Trainer:
             self.sparse_optimizer.load_state_dict(state["sparse_optimizer"])
         if self.ema and state["ema"]:
             self.ema.load_state_dict(state["ema"])
-        self.task.load_carry(state["carry"], self.device)
-        self.cuts = [int(c) for c in state["cuts"]]
+        carry = state["carry"]
+        self.task.load_carry({k: v[self.shard] for k, v in carry.items()} if carry else None, self.device)
+        cuts = [int(c) for c in state["cuts"]]
+        # The saved cut was of the saving worker's share; another share keeps its micro-batch, not its pieces.
+        self.cuts = cuts if sum(cuts) == self.local_batch else cut(self.local_batch, max(cuts))
         self.step = int(state["step"])
         self.samples_seen = int(state["samples_seen"])
         torch.set_rng_state(state["rng"]["torch"])

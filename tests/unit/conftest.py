@@ -1,4 +1,5 @@
-"""A tiny Sudoku dataset, tiny TRM configs and a scripted allocator failure, shared by the trainer tests."""
+"""A tiny Sudoku dataset, tiny TRM configs and a scripted allocator failure, shared by the trainer and
+distributed tests."""
 
 from __future__ import annotations
 

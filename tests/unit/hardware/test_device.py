@@ -25,5 +25,6 @@ def test_dtype_choices():
     assert device.loss_dtype(cpu) is torch.float64
     assert device.loss_dtype(torch.device("mps")) is torch.float32
     assert device.collective_backend(cpu) == "gloo"
-    assert device.stage_for_collective(torch.device("mps"))
-    assert not device.stage_for_collective(cpu)
+    # gloo cannot reduce MPS tensors: their collectives are staged through the CPU
+    assert device.collective_device(torch.device("mps")) == cpu
+    assert device.collective_device(cpu) == cpu

@@ -88,8 +88,13 @@ def test_signsgd_lr_property_gather_hook_and_state_dict():
     emb(torch.tensor([0])).sum().backward()
     opt.step()
     assert seen == [[0]] and emb.weight.view(-1).tolist() == [-0.5, 0.0, 0.5]
-    opt.step()  # nothing gathered since: nothing moves
-    assert emb.weight.view(-1).tolist() == [-0.5, 0.0, 0.5]
+    # No row of its own since: a gather is a collective, so it still takes part, and the rows the other workers
+    # touched (here row 2) move on every worker alike.
+    opt.step()
+    assert seen == [[0], []] and emb.weight.view(-1).tolist() == [-0.5, 0.0, 1.0]
+    alone = SignSGD(emb, lr=1.0)
+    alone.step()  # without a gather and without rows: nothing moves
+    assert emb.weight.view(-1).tolist() == [-0.5, 0.0, 1.0]
     again = SignSGD(emb, lr=1.0)
     again.load_state_dict(opt.state_dict())
     assert again.lr == 0.5

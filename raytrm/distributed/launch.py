@@ -1,0 +1,86 @@
+"""Worker processes joined by torch.distributed on one machine, without Ray: for tests, benchmarks and GPU checks.
+
+Ray Train is how raytrm runs workers on a cluster; this is the same process group made by hand, so the gradient
+sync can be checked where Ray is absent (a GPU machine with only PyTorch) and without Ray's start-up cost.
+"""
+
+from __future__ import annotations
+
+import io
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from raytrm.hardware import device as devices
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int, world_size: int, port: int, device: str, fn: Callable[..., Any], args: tuple, results: Any
+) -> None:
+    import torch.distributed as dist
+
+    try:
+        target = torch.device(device, rank) if device == devices.CUDA else torch.device(device)
+        if target.type == devices.CUDA:
+            torch.cuda.set_device(target)
+        dist.init_process_group(
+            devices.collective_backend(target),
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            device_id=target if target.type == devices.CUDA else None,
+        )
+        try:
+            # As bytes: torch's own queue pickling shares tensors through file descriptors, which die with the child.
+            buffer = io.BytesIO()
+            torch.save(fn(rank, world_size, target, *args), buffer)
+            results.put((rank, "ok", buffer.getvalue()))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu", timeout_s: float = 600) -> list:
+    """Run fn(rank, world_size, device, *args) in world_size fresh processes joined in one process group.
+
+    fn must be importable (a module-level function). Returns the results in rank order; a rank that fails makes
+    the others stop and raises with its traceback.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    procs = [
+        context.Process(target=_worker, args=(rank, world_size, port, device, fn, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        while len(out) < world_size:
+            try:
+                rank, status, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"distributed workers gave no result within {timeout_s:.0f} s") from None
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)  # our own child's result
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    return [out[r] for r in range(world_size)]
