@@ -1,14 +1,21 @@
-"""A training run on disk: the resolved config, metrics.jsonl, checkpoints and summary.json in one directory."""
+"""A training run on disk: the resolved config, metrics.jsonl, checkpoints and summary.json in one directory.
+
+With several workers (a sync object), every rank runs this same loop; rank 0 alone writes the run directory,
+evaluates and shows progress, and the others read its checkpoint through the sync object when resuming.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from raytrm import config as cfg
+from raytrm.distributed.peers import Peers
+from raytrm.distributed.sync import GradientSync
 from raytrm.errors import UserError
 from raytrm.hardware.pressure import MemoryReader
 from raytrm.hardware.thermal import ThermalReader
@@ -49,43 +56,57 @@ def run_training(
     memory_reader: MemoryReader | None = None,
     thermal_reader: ThermalReader | None = None,
     governor_settings: GovernorSettings | None = None,
+    sync: GradientSync | None = None,
+    shares: Sequence[int] | None = None,
+    balance: bool = True,
+    on_checkpoint: Callable[[int, Path | None], None] | None = None,
 ) -> dict[str, Any]:
     """Train to the config's step count or time budget, recording everything in run_dir; returns the summary.
 
-    The readers and governor settings are injectable so tests can script pressure, heat and thresholds.
+    The readers and governor settings are injectable so tests can script pressure, heat and thresholds. With a
+    sync object this is one worker of several: `shares` splits the global batch (default: equally), `balance`
+    lets measured step times move the shares, and `on_checkpoint(step, path)` is told of each checkpoint on every
+    rank (the path on rank 0, None elsewhere).
     """
     train = config.training
     if not train.steps and not train.time_budget_s:
         raise UserError("training needs a stopping rule; give --steps N or --time-budget SECONDS")
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(config, run_dir)
+    trainer = Trainer(config, run_dir, sync=sync, shares=shares)
+    rank0 = trainer.sync.rank == 0
+    peers = Peers(trainer, balance=balance)
     governor = _governor(trainer, governor_settings)
     resumed_from = None
     if resume:
-        state = ckpt.latest_good_checkpoint(run_dir / CHECKPOINT_DIR)
+        state = ckpt.latest_good_checkpoint(run_dir / CHECKPOINT_DIR) if rank0 else None
+        state = trainer.sync.broadcast_object(state)
         if state is None:
             raise UserError(
                 f"{run_dir}: nothing to resume, no checkpoint in {run_dir / CHECKPOINT_DIR}; "
                 "drop --resume to start afresh"
             )
         trainer.load_state_dict(state)
-        if governor is not None and state.get("memory_governor"):
+        peers.load_state_dict(state.get("shares_balancer"))
+        if governor is not None and rank0 and state.get("memory_governor"):
             governor.load_state_dict(state["memory_governor"])
         resumed_from = trainer.step
         logger.info("resumed %s at step %d", run_dir, trainer.step)
-    cfg.write_yaml(config, run_dir / CONFIG_FILE)
-    log = MetricsLog(run_dir / METRICS_FILE, resume_step=resumed_from)
-    bar = Progress(train.steps, train.time_budget_s, enabled=progress)
+    if rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.write_yaml(config, run_dir / CONFIG_FILE)
+    log = MetricsLog(run_dir / METRICS_FILE, resume_step=resumed_from) if rank0 else None
+    bar = Progress(train.steps, train.time_budget_s, enabled=progress and rank0)
     try:
         readers = (memory_reader or MemoryReader(device=trainer.device), thermal_reader or ThermalReader())
-        summary = _loop(trainer, governor, log, bar, run_dir, *readers)
+        summary = _loop(trainer, governor, peers, log, bar, run_dir, *readers, on_checkpoint=on_checkpoint)
     finally:
         bar.close()
-        log.close()
+        if log is not None:
+            log.close()
         trainer.close()
     summary["resumed_from_step"] = resumed_from
-    write_json(summary, run_dir / SUMMARY_FILE)
+    if rank0:
+        write_json(summary, run_dir / SUMMARY_FILE)
     return summary
 
 
@@ -107,13 +128,20 @@ def _governor(trainer: Trainer, settings: GovernorSettings | None) -> MemoryGove
 def _loop(
     trainer: Trainer,
     governor: MemoryGovernor | None,
-    log: MetricsLog,
+    peers: Peers,
+    log: MetricsLog | None,
     bar: Progress,
     run_dir: Path,
     memory: MemoryReader,
     thermal: ThermalReader,
+    on_checkpoint: Callable[[int, Path | None], None] | None = None,
 ) -> dict[str, Any]:
     train = trainer.config.training
+
+    def write(record: dict[str, Any]) -> None:
+        if log is not None:
+            log.write(record)
+
     start = time.perf_counter()
     train_seconds, window_seconds, window_samples = 0.0, 0.0, 0
     last_accuracy = None  # of the latest step in which some sequence halted
@@ -125,14 +153,18 @@ def _loop(
     )
     thermal_scale = 1.0  # the guard's share of the micro-batch, on top of the memory governor's choice
 
-    def save() -> Path:
-        state = trainer.state_dict()
+    def save() -> Path | None:
+        state = trainer.state_dict()  # with several workers, a collective: every rank takes part
+        state["shares_balancer"] = peers.state_dict()
         if governor is not None:
             state["memory_governor"] = governor.state_dict()
-        return ckpt.save_checkpoint(state, run_dir / CHECKPOINT_DIR, trainer.step)
+        path = ckpt.save_checkpoint(state, run_dir / CHECKPOINT_DIR, trainer.step) if log is not None else None
+        if on_checkpoint is not None:
+            on_checkpoint(trainer.step, path)
+        return path
 
-    while not (train.steps and trainer.step >= train.steps) and not (
-        train.time_budget_s and time.perf_counter() - start >= train.time_budget_s
+    while not (train.steps and trainer.step >= train.steps) and not peers.stop(
+        bool(train.time_budget_s and time.perf_counter() - start >= train.time_budget_s)
     ):
         seen = len(governor.events) if governor is not None else 0
         with PeakMemory(trainer.device.type) as peak:
@@ -142,13 +174,13 @@ def _loop(
         if governor is not None:
             base_micro = governor.after_step(trainer.step, peak.bytes, memory.read().pressure)
             for event in governor.events[seen:]:
-                log.write(event)
+                write(event)
         logging_step = trainer.step % train.log_interval == 0 or trainer.step == train.steps
         heat = thermal.read() if guard is not None or logging_step else {}
         if guard is not None:
             decision = guard.observe(trainer.step, heat.get("thermal_state"), result.samples / result.seconds)
             if decision.event:
-                log.write(decision.event)
+                write(decision.event)
             if decision.threads:
                 apply_threads(decision.threads)
                 guard.reset_baseline()
@@ -163,6 +195,8 @@ def _loop(
             trainer.set_micro_batch(micro)
             if guard is not None:
                 guard.reset_baseline()
+        for event in peers.after_step(result):
+            write(event)
         train_seconds += result.seconds
         window_seconds += result.seconds
         window_samples += result.samples
@@ -179,10 +213,12 @@ def _loop(
                 **trainer.resources.sample(),
                 **heat,
             }
+            if peers.rows:
+                record["workers"] = peers.rows
             window_seconds, window_samples = 0.0, 0
-            if train.eval_interval and trainer.step % train.eval_interval == 0:
+            if log is not None and train.eval_interval and trainer.step % train.eval_interval == 0:
                 record.update(trainer.evaluate())
-            log.write(record)
+            write(record)
             shown = {"samples/s": record["samples_per_sec"]}
             if "tokens_per_sec" in record:
                 shown["tokens/s"] = record["tokens_per_sec"]
@@ -194,7 +230,7 @@ def _loop(
             bar.update(trainer.step, shown)
         if train.checkpoint_interval and trainer.step % train.checkpoint_interval == 0:
             save()
-    final_eval = trainer.evaluate()
+    final_eval = trainer.evaluate() if log is not None else {}
     path = save()
     peak_rss = trainer.resources.sample()["peak_rss_mb"]
     return {
@@ -218,6 +254,7 @@ def _loop(
         "device": trainer.device.type,
         "dtype": str(trainer.dtype).removeprefix("torch."),
         "threads": trainer.threads,
+        **peers.summary(),
     }
 
 

@@ -306,6 +306,7 @@ class Trainer:
             "carry": self._global_carry(),
             "cuts": list(self.cuts),
             "shares": list(self.shares),
+            "micro_batches": [int(row[0]) for row in self.sync.gather_floats([self.micro_batch])],
             "step": self.step,
             "samples_seen": self.samples_seen,
             "rng": {"torch": torch.get_rng_state(), **self.task.rng_state()},
@@ -327,11 +328,16 @@ class Trainer:
             self.sparse_optimizer.load_state_dict(state["sparse_optimizer"])
         if self.ema and state["ema"]:
             self.ema.load_state_dict(state["ema"])
+        # On as many workers as saved: the same split and cuts, so the same sums in the same order. On another
+        # number: this run's split, each worker cutting at the micro-batch the run had reached.
+        saved = [int(b) for b in state.get("shares", [self.global_batch])]
+        same_workers = len(saved) == self.sync.world_size
+        if same_workers:
+            self.shares, self.shard = saved, shard(saved, self.sync.rank)
         carry = state["carry"]
         self.task.load_carry({k: v[self.shard] for k, v in carry.items()} if carry else None, self.device)
-        cuts = [int(c) for c in state["cuts"]]
-        # The saved cut was of the saving worker's share; another share keeps its micro-batch, not its pieces.
-        self.cuts = cuts if sum(cuts) == self.local_batch else cut(self.local_batch, max(cuts))
+        micro = state.get("micro_batches") or [max(int(c) for c in state["cuts"])]
+        self.cuts = cut(self.local_batch, int(micro[self.sync.rank] if same_workers else micro[0]))
         self.step = int(state["step"])
         self.samples_seen = int(state["samples_seen"])
         torch.set_rng_state(state["rng"]["torch"])

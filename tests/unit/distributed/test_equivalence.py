@@ -15,6 +15,9 @@ STEPS = 4
 GRAD_RTOL = 1e-5
 
 
+pytestmark = pytest.mark.slow  # worker processes: tens of seconds per file
+
+
 def check(config, schedule, micro_batches, alone_micro=None):
     alone = train_alone(config, STEPS, alone_micro)
     spread = spawn(train_steps, len(schedule[0]), config, schedule, micro_batches, STEPS)[0]

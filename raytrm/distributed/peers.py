@@ -1,0 +1,86 @@
+"""What a training loop exchanges with its fellow workers after each step: step times, shares, per-worker rows.
+
+Every rank gathers the same measurements and runs the same deterministic balancer on them, so all ranks reach the
+same shares at the same global-batch boundary without a coordinator. Alone (one worker) nothing is exchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from raytrm.distributed.shares import ShareBalancer
+from raytrm.train.trainer import StepResult, Trainer
+
+logger = logging.getLogger(__name__)
+
+
+class Peers:
+    """The run loop's view of the other workers: rebalancing and the per-worker rows of metrics.jsonl."""
+
+    def __init__(self, trainer: Trainer, balance: bool = True) -> None:
+        self.trainer = trainer
+        self.sync = trainer.sync
+        self.rank0 = self.sync.rank == 0
+        self.alone = self.sync.world_size == 1
+        self.balancer = (
+            ShareBalancer(trainer.global_batch, self.sync.world_size, shares=trainer.shares)
+            if balance and not self.alone
+            else None
+        )
+        self.rows: list[dict[str, Any]] = []
+
+    def stop(self, mine: bool) -> bool:
+        """Whether any worker wants to stop (a time budget is read on each worker's own clock)."""
+        return mine if self.alone else self.sync.any(mine)
+
+    def after_step(self, result: StepResult) -> list[dict[str, Any]]:
+        """Gather every worker's times, rebalance the shares if that pays; returns the events to log."""
+        if self.alone:
+            return []
+        trainer = self.trainer
+        shares = list(trainer.shares)
+        gathered = self.sync.gather_floats([result.compute_seconds, result.sync_seconds, trainer.micro_batch])
+        self.rows = [
+            {
+                "rank": rank,
+                "share": share,
+                "samples_per_sec": share / max(compute, 1e-9),
+                "compute_s": compute,
+                "sync_s": sync_s,
+                "micro_batch": int(micro),
+            }
+            for rank, (share, (compute, sync_s, micro)) in enumerate(zip(shares, gathered, strict=True))
+        ]
+        if self.balancer is None:
+            return []
+        self.balancer.observe(trainer.step, [row["compute_s"] for row in self.rows])
+        decision = self.balancer.decide(trainer.step)
+        if decision is None:
+            return []
+        trainer.set_shares(decision.shares_to)
+        if self.rank0:
+            logger.info("step %d: shares %s -> %s: %s", trainer.step, shares, decision.shares_to, decision.reason)
+        return [decision.to_event()]
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.balancer.state_dict() if self.balancer is not None else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Continue the balancer of a resumed run; on another number of workers it starts afresh."""
+        if self.balancer is None or not state:
+            return
+        self.balancer.load_state_dict(state)
+        if self.balancer.shares != self.trainer.shares:
+            self.trainer.set_shares(self.balancer.shares)
+
+    def summary(self) -> dict[str, Any]:
+        """The workers' part of summary.json."""
+        if self.alone:
+            return {}
+        return {
+            "workers": self.sync.world_size,
+            "shares": list(self.trainer.shares),
+            "rebalances": [event.to_event() for event in self.balancer.events] if self.balancer else [],
+            "worker_rows": self.rows,
+        }

@@ -1,0 +1,103 @@
+"""The distributed run loop without Ray (gloo processes): rank 0 writes the run directory, resume is exact on the
+same worker count and continues the same samples on another, and a slow worker gets a smaller share."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from raytrm.distributed.launch import spawn
+from raytrm.distributed.sync import ProcessGroupSync
+from raytrm.train import checkpoint as ckpt
+from raytrm.train.metrics import read_metrics
+from raytrm.train.run import run_training
+from raytrm.train.tasks import TRMTask
+
+pytestmark = pytest.mark.slow  # worker processes: tens of seconds per file
+
+
+def run_worker(rank, world_size, device, config, run_dir, resume=False, shares=None, balance=False, slow=None):
+    """One worker of a distributed run_training; `slow` = (rank, factor) makes that rank's compute factor x slower."""
+    if slow is not None and slow[0] == rank:
+        real = TRMTask.micro_step
+
+        def micro_step(self, *args):
+            start = time.perf_counter()
+            out = real(self, *args)
+            time.sleep((slow[1] - 1) * (time.perf_counter() - start))
+            return out
+
+        TRMTask.micro_step = micro_step
+    summary = run_training(
+        config, run_dir, resume=resume, sync=ProcessGroupSync(device), shares=shares, balance=balance
+    )
+    return summary if rank == 0 else None
+
+
+def state(run_dir):
+    return ckpt.latest_good_checkpoint(run_dir / "checkpoints")
+
+
+def assert_states(a, b, atol, carry_atol):
+    assert a["step"] == b["step"]
+    for part in ("model",):
+        for key in a[part]:
+            torch.testing.assert_close(a[part][key], b[part][key], rtol=0, atol=atol, msg=key)
+    for key in a["ema"]["shadow"]:
+        torch.testing.assert_close(a["ema"]["shadow"][key], b["ema"]["shadow"][key], rtol=0, atol=atol, msg=key)
+    for key, value in a["carry"].items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value, b["carry"][key], rtol=0, atol=carry_atol, msg=key)
+        else:  # the same examples in the same slots, the same step counts and halting
+            assert torch.equal(value, b["carry"][key]), key
+
+
+def test_rank0_writes_the_run_with_per_worker_rows(tiny, tmp_path):
+    summary = spawn(run_worker, 2, tiny(training={"steps": 3}), tmp_path / "run", False, [12, 20])[0]
+    assert (summary["workers"], summary["shares"], summary["steps"]) == (2, [12, 20], 3)
+    assert sorted(p.name for p in tmp_path.joinpath("run").iterdir()) == [
+        "checkpoints",
+        "config.yaml",
+        "metrics.jsonl",
+        "summary.json",
+    ]
+    lines = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "workers" in r]
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    for record in lines:
+        assert [w["share"] for w in record["workers"]] == [12, 20]
+        assert all(w["sync_s"] > 0 and w["samples_per_sec"] > 0 for w in record["workers"])
+
+
+def test_resume_is_exact_on_the_same_workers_and_continues_on_others(tiny, tmp_path):
+    config = tiny(training={"steps": 6})
+    spawn(run_worker, 2, config, tmp_path / "straight", False, [10, 22])
+    spawn(run_worker, 2, tiny(training={"steps": 3}), tmp_path / "split", False, [10, 22])
+    resumed = spawn(run_worker, 2, config, tmp_path / "split", True, [10, 22])[0]
+    assert resumed["resumed_from_step"] == 3
+    # Same workers, same shares: the same operations in the same order, so the same bits.
+    assert_states(state(tmp_path / "straight"), state(tmp_path / "split"), atol=0, carry_atol=0)
+
+    # Three workers continue what two began: the same samples and slots, summed in another order.
+    spawn(run_worker, 2, tiny(training={"steps": 3}), tmp_path / "grown", False, [10, 22])
+    spawn(run_worker, 3, config, tmp_path / "grown", True, [5, 13, 14])
+    alone = run_training(config, tmp_path / "alone")
+    assert alone["steps"] == 6
+    # Adam moves a weight by about lr a step and amplifies rounding where v is ~0: compare on that scale; the
+    # states are O(1) after weights that differ by rounding (as in the one-process accumulation test).
+    assert_states(state(tmp_path / "alone"), state(tmp_path / "grown"), atol=1e-2 * config.training.lr, carry_atol=1e-4)
+
+
+def test_a_slow_worker_gets_a_smaller_share(tiny, tmp_path):
+    config = tiny(training={"steps": 8, "global_batch_size": 48})
+    summary = spawn(run_worker, 2, config, tmp_path / "run", False, None, True, (1, 3.0))[0]
+    events = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r.get("event") == "rebalance"]
+    assert events, "the balancer never moved the shares"
+    first = events[0]
+    assert first["shares_from"] == [24, 24] and sum(first["shares_to"]) == 48
+    assert first["shares_to"][1] < first["shares_to"][0]
+    assert first["predicted_step_s_to"] < first["predicted_step_s_from"]
+    assert "worker 1" in first["reason"]
+    assert summary["shares"][1] < summary["shares"][0]
+    assert [e["shares_to"] for e in summary["rebalances"]] == [e["shares_to"] for e in events]
