@@ -3,62 +3,75 @@
 Worker i trains slots [o_i, o_i + b_i) of every global batch, sum b_i = B, b_i >= 1. Its step time is close to a line
 in its share, t_i = a_i + c_i b (a fixed cost, a per-sample cost), fitted from the steps it ran; the shares that
 equalise the predicted times minimise the step, because every step waits for the slowest worker. Every rank runs the
-same balancer on the same gathered times, so the code is deterministic: no clocks, no randomness.
+same balancer on the same gathered times, so the code is deterministic: no clocks, no randomness, sorted iteration.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+_MIN_RATE = 1e-12  # seconds per sample: keeps a worker whose measured times are all 0 from dividing by zero
+
+
+def _limits(total: int, n: int, caps: Sequence[int | None] | None) -> list[int]:
+    """Each worker's upper bound (None: the whole batch), checked to leave room for `total` samples."""
+    if n < 1 or total < n:
+        raise ValueError(f"cannot split {total} samples between {n} workers: each needs at least one")
+    limits = [total if c is None else int(c) for c in (caps if caps is not None else [None] * n)]
+    if len(limits) != n:
+        raise ValueError(f"caps {list(limits)} has {len(limits)} entries for {n} workers: give one per worker")
+    if min(limits) < 1 or sum(limits) < total:
+        raise ValueError(f"caps {limits} cannot hold {total} samples with at least one each: raise or drop a cap")
+    return limits
+
+
+def _fill(total: int, fixed: Sequence[float], speeds: Sequence[float], limits: Sequence[int]) -> list[float]:
+    """Water-filling: b_i = clamp((T - fixed_i) * speed_i, 1, cap_i), with the level T at which they sum to total."""
+    n = len(speeds)
+    if total == n:
+        return [1.0] * n
+
+    def at(t: float) -> list[float]:
+        return [min(max((t - a) * s, 1.0), c) for a, s, c in zip(fixed, speeds, limits, strict=True)]
+
+    # The sum is piecewise linear in T, with a kink where a worker leaves its floor (low) or reaches its cap (high):
+    # find the first kink past the total, then T is linear in between, with the same workers free.
+    lows = [a + 1 / s for a, s in zip(fixed, speeds, strict=True)]
+    highs = [a + c / s for a, s, c in zip(fixed, speeds, limits, strict=True)]
+    kinks = sorted(set(lows + highs))
+    k = next((k for k in range(1, len(kinks)) if sum(at(kinks[k])) >= total), len(kinks) - 1)
+    free = [i for i in range(n) if lows[i] <= kinks[k - 1] and highs[i] >= kinks[k]]
+    if not free:
+        return at(kinks[k])
+    bound = sum(1 if lows[i] >= kinks[k] else limits[i] for i in range(n) if i not in free)
+    level = (total - bound + sum(fixed[i] * speeds[i] for i in free)) / sum(speeds[i] for i in free)
+    return at(level)
 
 
 def split(total: int, weights: Sequence[float], caps: Sequence[int | None] | None = None) -> list[int]:
     """Integer shares proportional to weights, each >= 1 and <= its cap, summing to total (largest remainder)."""
-    n = len(weights)
-    if n < 1 or total < n:
-        raise ValueError(f"cannot split {total} samples between {n} workers: each needs at least one")
+    limits = _limits(total, len(weights), caps)
     if not all(math.isfinite(w) and w > 0 for w in weights):
         raise ValueError(f"share weights must be finite and > 0, got {list(weights)}")
-    limits = [c if c is not None else total for c in (caps or [None] * n)]
-    if any(c < 1 for c in limits) or sum(limits) < total:
-        raise ValueError(f"caps {list(limits)} cannot hold {total} samples with at least one each")
-    fixed: dict[int, int] = {}
-    while True:  # water-filling: clamp workers at a bound, share the rest among the others, until none crosses one
-        free = [i for i in range(n) if i not in fixed]
-        ideal: dict[int, float] = {}
-        if not free:
-            break
-        left = total - sum(fixed.values())
-        mass = sum(weights[i] for i in free)
-        ideal = {i: left * weights[i] / mass for i in free}
-        over = {i: limits[i] for i in free if ideal[i] > limits[i]}
-        under = {i: 1 for i in free if ideal[i] < 1}
-        if not over and not under:
-            break
-        fixed.update(over or under)
-    shares = [fixed.get(i, 0) for i in range(n)]
-    floors = {i: int(ideal[i]) for i in free}
-    for i, b in floors.items():
-        shares[i] = b
-    remainder = total - sum(shares)
-    for i in sorted(free, key=lambda i: (-(ideal[i] - floors[i]), i))[:remainder]:
+    ideal = _fill(total, [0.0] * len(weights), weights, limits)
+    shares = [int(x) for x in ideal]
+    room = [i for i in range(len(shares)) if shares[i] < limits[i]]
+    for i in sorted(room, key=lambda i: (shares[i] - ideal[i], i))[: total - sum(shares)]:
         shares[i] += 1
     return shares
 
 
 def offsets(shares: Sequence[int]) -> list[int]:
     """Where each worker's slots begin in the global batch."""
-    out, at = [], 0
-    for b in shares:
-        out.append(at)
-        at += b
-    return out
+    return [0, *itertools.accumulate(shares)][:-1]
 
 
 def shard(shares: Sequence[int], rank: int) -> slice:
-    """The slots of worker `rank`."""
+    """The slots of worker `rank` in every global batch."""
     start = offsets(shares)[rank]
     return slice(start, start + shares[rank])
 
@@ -76,42 +89,42 @@ class LinearTime:
 
 def fit_time(points: Sequence[tuple[int, float]]) -> LinearTime:
     """Least squares over the median time of each distinct share; proportional when the line is not physical."""
+    if not points:
+        raise ValueError("fit_time needs at least one (share, seconds) observation")
     by_share: dict[int, list[float]] = {}
     for b, t in points:
         by_share.setdefault(int(b), []).append(float(t))
-    xs = sorted(by_share)
-    ys = [statistics.median(by_share[x]) for x in xs]
-    proportional = LinearTime(0.0, sum(ys) / max(1, sum(xs)))
+    xs = sorted(by_share)  # sorted, not insertion order: every rank sums in the same order
+    ys = [statistics.median(by_share[x]) for x in xs]  # the median shrugs off a step the OS interrupted
+    proportional = LinearTime(0.0, max(sum(ys) / sum(xs), _MIN_RATE))
     if len(xs) < 2:
         return proportional
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     intercept = my - slope * mx
-    if slope <= 0 or intercept < 0:  # noise, or a fixed cost that cannot be negative: trust the rate alone
+    if slope <= 0 or intercept < 0:  # noise, or a fixed cost that cannot be negative: trust the mean rate alone
         return proportional
     return LinearTime(intercept, slope)
 
 
-def _predicted_max(models: Sequence[LinearTime], shares: Sequence[int]) -> float:
-    return max(m.predict(b) for m, b in zip(models, shares, strict=True))
-
-
 def balanced(global_batch: int, models: Sequence[LinearTime], caps: Sequence[int | None] | None = None) -> list[int]:
-    """Integer shares (each in [1, cap]) that minimise the predicted time of the slowest worker."""
-    n = len(models)
-    limits = [c if c is not None else global_batch for c in (caps or [None] * n)]
-    shares = [1] * n
-    # Greedy by sample: each goes to the worker that would finish it soonest. With linear times this is optimal
-    # for the max, and exact in integers; B is at most a few thousand.
-    for _ in range(global_batch - n):
-        best = min((i for i in range(n) if shares[i] < limits[i]), key=lambda i: (models[i].predict(shares[i] + 1), i))
+    """Integer shares in [1, cap] that equalise the predicted times, rounded to minimise the slowest worker's."""
+    limits = _limits(global_batch, len(models), caps)
+    if not all(math.isfinite(m.per_sample_s) and m.per_sample_s > 0 for m in models):
+        raise ValueError(f"per-sample times must be finite and > 0, got {[m.per_sample_s for m in models]}")
+    ideal = _fill(global_batch, [m.fixed_s for m in models], [1 / m.per_sample_s for m in models], limits)
+    shares = [int(x) for x in ideal]
+    # The floors leave fewer samples than workers; each goes where it ends soonest, which keeps the max smallest.
+    for _ in range(global_batch - sum(shares)):
+        room = [i for i in range(len(models)) if shares[i] < limits[i]]
+        best = min(room, key=lambda i: (models[i].predict(shares[i] + 1), i))
         shares[best] += 1
     return shares
 
 
 @dataclass
 class Rebalance:
-    """One change of shares, with what the fits predicted."""
+    """One change of shares, with what the fitted lines predicted for the step."""
 
     step: int
     shares_from: list[int]
@@ -124,93 +137,106 @@ class Rebalance:
         return {
             "step": self.step,
             "event": "rebalance",
-            "shares_from": self.shares_from,
-            "shares_to": self.shares_to,
+            "shares_from": list(self.shares_from),
+            "shares_to": list(self.shares_to),
             "predicted_step_s_from": self.predicted_s_from,
             "predicted_step_s_to": self.predicted_s_to,
             "reason": self.reason,
         }
 
+    @classmethod
+    def from_event(cls, event: dict) -> Rebalance:
+        """The Rebalance that `to_event` wrote."""
+        return cls(**{k.replace("_step_s_", "_s_"): v for k, v in event.items() if k != "event"})
 
-@dataclass
+
+def _reason(models: Sequence[LinearTime], shares: Sequence[int], now: float, then: float) -> str:
+    """One sentence for the log: which worker held the step back, and what the new shares should save."""
+    times = list(map(LinearTime.predict, models, shares))
+    slow = times.index(max(times))
+    rates = [m.per_sample_s for m in models]
+    fast = rates.index(min(rates))
+    if rates[slow] >= 1.005 * rates[fast]:
+        why = f"worker {slow} is {rates[slow] / rates[fast]:.2f}x slower per sample than worker {fast}"
+    else:  # as fast per sample as any: too many samples for its fixed cost
+        why = f"worker {slow} finishes last with {shares[slow]} samples and {models[slow].fixed_s:.3f} s of fixed cost"
+    return f"{why}; predicted step {now:.3f} s -> {then:.3f} s"
+
+
 class ShareBalancer:
     """Decides each global batch's shares from per-worker step times; never changes the global batch."""
 
-    global_batch: int
-    world_size: int
-    shares: list[int] = field(default_factory=list)
-    caps: list[int | None] | None = None
-    window: int = 8
-    warmup_steps: int = 1
-    min_gain: float = 0.05
-    interval: int = 1
-    events: list[Rebalance] = field(default_factory=list)
-    _seen: int = 0
-    _points: list[list[tuple[int, float]]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.shares = list(self.shares) or split(self.global_batch, [1.0] * self.world_size)
-        if len(self.shares) != self.world_size or sum(self.shares) != self.global_batch or min(self.shares) < 1:
+    def __init__(
+        self,
+        global_batch: int,
+        world_size: int,
+        shares: Sequence[int] | None = None,
+        caps: Sequence[int | None] | None = None,
+        window: int = 8,
+        warmup_steps: int = 1,
+        min_gain: float = 0.05,
+        interval: int = 1,
+    ) -> None:
+        self.shares = list(shares) if shares is not None else split(global_batch, [1.0] * world_size)
+        if len(self.shares) != world_size or sum(self.shares) != global_batch or min(self.shares, default=0) < 1:
+            raise ValueError(f"shares {self.shares} must be {world_size} numbers >= 1 summing to {global_batch}")
+        if window < 2 or warmup_steps < 0 or interval < 1 or not 0 <= min_gain < 1:
             raise ValueError(
-                f"shares {self.shares} must be {self.world_size} numbers >= 1 summing to {self.global_batch}"
+                f"balancer window={window} (>= 2), warmup_steps={warmup_steps} (>= 0), interval={interval} (>= 1), "
+                f"min_gain={min_gain} (in [0, 1)): one is out of range"
             )
-        self._points = [[] for _ in range(self.world_size)]
+        self.global_batch, self.world_size = global_batch, world_size
+        self.caps = list(caps) if caps is not None else None
+        self.window, self.warmup_steps, self.min_gain, self.interval = window, warmup_steps, min_gain, interval
+        self.events: list[Rebalance] = []
+        self._seen = 0
+        self._points: list[list[tuple[int, float]]] = [[] for _ in range(world_size)]
 
     def shard(self, rank: int) -> slice:
         return shard(self.shares, rank)
 
     def observe(self, step: int, seconds: Sequence[float]) -> None:
         """The step just run under the current shares took seconds[i] on worker i (its compute, not the sync)."""
+        if len(seconds) != self.world_size:
+            raise ValueError(f"step {step}: {len(seconds)} step times for {self.world_size} workers")
         self._seen += 1
         if self._seen <= self.warmup_steps:
-            return  # one-time costs (allocations, caches) are not the line
+            return  # one-time costs (allocations, compilation, caches) are not on the line
         for points, b, t in zip(self._points, self.shares, seconds, strict=True):
             points.append((b, float(t)))
             del points[: -self.window]
 
     def decide(self, step: int) -> Rebalance | None:
-        """New shares when the fitted lines predict a step at least min_gain faster; else None."""
+        """Adopt new shares when the fitted lines predict a step at least min_gain faster; else None."""
         if step % self.interval or any(len(p) < 2 for p in self._points):
             return None
         models = [fit_time(p) for p in self._points]
         proposal = balanced(self.global_batch, models, self.caps)
-        now, then = _predicted_max(models, self.shares), _predicted_max(models, proposal)
+        now, then = (max(map(LinearTime.predict, models, shares)) for shares in (self.shares, proposal))
         if proposal == self.shares or then > now * (1 - self.min_gain):
             return None
-        rates = [m.per_sample_s for m in models]
-        slow, fast = rates.index(max(rates)), rates.index(min(rates))
-        reason = (
-            f"worker {slow} takes {rates[slow] / max(rates[fast], 1e-12):.2f}x worker {fast}'s time per sample; "
-            f"predicted step {now:.3f} s -> {then:.3f} s"
-        )
-        event = Rebalance(step, list(self.shares), proposal, now, then, reason)
+        event = Rebalance(step, list(self.shares), proposal, now, then, _reason(models, self.shares, now, then))
         self.events.append(event)
         self.shares = proposal
         return event
 
     def state_dict(self) -> dict:
+        """Shares, kept observations and events as plain lists, numbers and strings."""
         return {
             "shares": list(self.shares),
-            "seen": self._seen,
-            "points": [[list(p) for p in points] for points in self._points],
+            "points": [[[b, t] for b, t in points] for points in self._points],
             "events": [e.to_event() for e in self.events],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue a saved balancer; one saved with another number of workers leaves this one fresh."""
-        if len(state["shares"]) != self.world_size:
+        """Continue a saved balancer; one saved for another number of workers leaves this one's shares, unobserved.
+
+        The warm-up starts again either way: a resumed process pays its one-time costs anew.
+        """
+        self._seen = 0
+        if len(state["shares"]) != self.world_size or sum(state["shares"]) != self.global_batch:
+            self._points = [[] for _ in range(self.world_size)]
             return
         self.shares = [int(b) for b in state["shares"]]
-        self._seen = int(state["seen"])
         self._points = [[(int(b), float(t)) for b, t in points] for points in state["points"]]
-        self.events = [
-            Rebalance(
-                e["step"],
-                e["shares_from"],
-                e["shares_to"],
-                e["predicted_step_s_from"],
-                e["predicted_step_s_to"],
-                e["reason"],
-            )
-            for e in state["events"]
-        ]
+        self.events = [Rebalance.from_event(e) for e in state["events"]]

@@ -1,0 +1,260 @@
+"""Shares of a global batch: integer splits, fitted step times, the balanced split and the balancer over steps."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+
+from raytrm.distributed.shares import (
+    LinearTime,
+    Rebalance,
+    ShareBalancer,
+    balanced,
+    fit_time,
+    offsets,
+    shard,
+    split,
+)
+
+
+@pytest.mark.parametrize(
+    ("total", "weights", "expected"),
+    [
+        (100, [3, 1], [75, 25]),
+        (90, [2.0, 1.0], [60, 30]),
+        (7, [2, 1], [5, 2]),  # 4.67 / 2.33: the larger remainder takes the spare sample
+        (10, [1, 1, 1], [4, 3, 3]),  # a tie of remainders goes to the lower index
+        (5, [1, 1], [3, 2]),
+        (10, [100, 1, 1], [8, 1, 1]),  # the floor of one sample each
+        (3, [5, 1, 2], [1, 1, 1]),
+    ],
+)
+def test_split_is_proportional_with_largest_remainders(total, weights, expected):
+    assert split(total, weights) == expected
+
+
+def test_split_sums_to_the_total_within_bounds():
+    for total, weights in itertools.product(range(4, 40), [[1, 1, 1, 1], [0.3, 7, 2, 1], [1e-3, 1, 1, 50]]):
+        shares = split(total, weights)
+        assert sum(shares) == total and min(shares) >= 1, (total, weights, shares)
+
+
+@pytest.mark.parametrize(
+    ("total", "weights", "caps", "expected"),
+    [
+        (10, [1, 1, 1], [2, None, None], [2, 4, 4]),
+        (10, [1, 1, 1], [1, 1, None], [1, 1, 8]),
+        (12, [4, 1, 1], [2, 5, None], [2, 5, 5]),
+        (12, [4, 1, 1], [2, 4, None], [2, 4, 6]),  # capping 0 pushes 1 past its cap: fill again
+        (4, [100, 1, 1], [3, None, None], [2, 1, 1]),  # a cap and the floors at once
+        (6, [1, 1], [3, 3], [3, 3]),
+    ],
+)
+def test_split_water_fills_the_caps(total, weights, caps, expected):
+    assert split(total, weights, caps) == expected
+
+
+@pytest.mark.parametrize(
+    ("total", "weights", "caps", "match"),
+    [
+        (2, [1, 1, 1], None, "cannot split 2 samples between 3 workers"),
+        (10, [1, 0], None, r"finite and > 0, got \[1, 0\]"),
+        (10, [1, -2], None, "finite and > 0"),
+        (10, [1, math.nan], None, "finite and > 0"),
+        (10, [1, math.inf], None, "finite and > 0"),
+        (10, [1, 1], [4, 5], r"caps \[4, 5\] cannot hold 10 samples"),
+        (10, [1, 1], [0, None], r"caps \[0, 10\] cannot hold"),
+        (10, [1, 1], [4], "1 entries for 2 workers"),
+    ],
+)
+def test_split_rejects_what_cannot_be_split(total, weights, caps, match):
+    with pytest.raises(ValueError, match=match):
+        split(total, weights, caps)
+
+
+def test_offsets_and_shards_tile_the_batch():
+    shares = [5, 1, 3]
+    assert offsets(shares) == [0, 5, 6]
+    assert [shard(shares, r) for r in range(3)] == [slice(0, 5), slice(5, 6), slice(6, 9)]
+    assert ShareBalancer(9, 3, shares=shares).shard(2) == slice(6, 9)
+
+
+def test_fit_time_recovers_a_line_from_noiseless_points():
+    line = LinearTime(0.25, 0.0125)
+    points = [(b, line.predict(b)) for b in (8, 8, 16, 24, 40)]
+    fit = fit_time(points)
+    assert fit.fixed_s == pytest.approx(0.25, abs=1e-12)
+    assert fit.per_sample_s == pytest.approx(0.0125, abs=1e-12)
+
+
+def test_fit_time_takes_the_median_of_each_share():
+    fit = fit_time([(10, 1.0), (10, 1.1), (10, 9.0), (20, 2.0), (20, 2.0)])  # one step the OS interrupted
+    assert fit.fixed_s == pytest.approx(0.2) and fit.per_sample_s == pytest.approx(0.09)
+
+
+def test_fit_time_is_proportional_with_one_share_or_an_unphysical_line():
+    assert fit_time([(30, 0.6), (30, 0.9), (30, 0.6)]) == LinearTime(0.0, pytest.approx(0.02))
+    # Longer with fewer samples (a negative slope) and a negative fixed cost: the mean rate, through zero.
+    assert fit_time([(10, 1.0), (20, 0.5)]) == LinearTime(0.0, pytest.approx(1.5 / 30))
+    assert fit_time([(10, 0.05), (20, 0.25)]) == LinearTime(0.0, pytest.approx(0.3 / 30))
+    assert fit_time([(10, 0.0)]).per_sample_s > 0
+    with pytest.raises(ValueError, match="at least one"):
+        fit_time([])
+
+
+def test_balanced_equalises_the_predicted_times():
+    models = [LinearTime(0.1, 0.01), LinearTime(0.1, 0.02)]
+    shares = balanced(90, models)
+    assert shares == [60, 30]
+    assert models[0].predict(60) == pytest.approx(models[1].predict(30)) == pytest.approx(0.7)
+
+
+def test_balanced_respects_caps_and_the_floor():
+    models = [LinearTime(0.1, 0.01), LinearTime(0.1, 0.02)]
+    assert balanced(90, models, caps=[50, None]) == [50, 40]
+    assert balanced(90, models, caps=[None, 20]) == [70, 20]
+    hopeless = [LinearTime(0.0, 0.01), LinearTime(100.0, 1.0), LinearTime(0.0, 0.02)]
+    assert balanced(30, hopeless) == [20, 1, 9]  # the slow one still trains a sample; 0.2 s ties go to 0
+    assert balanced(3, hopeless) == [1, 1, 1]
+    with pytest.raises(ValueError, match="cannot split 2 samples between 3 workers"):
+        balanced(2, hopeless)
+    with pytest.raises(ValueError, match="per-sample times must be finite and > 0"):
+        balanced(10, [LinearTime(0.0, 0.0), LinearTime(0.0, 1.0)])
+
+
+def test_balanced_rounds_to_the_smallest_slowest_worker():
+    """Against every integer split of small batches: none has a faster slowest worker."""
+    models = [LinearTime(0.3, 0.02), LinearTime(0.0, 0.035), LinearTime(0.05, 0.01)]
+    for total, caps in itertools.product(range(3, 16), [None, [4, None, 5], [None, 2, None]]):
+        bounds = [total if c is None else c for c in caps or [None] * 3]
+        if sum(bounds) < total:
+            continue
+        shares = balanced(total, models, caps)
+        assert sum(shares) == total and all(1 <= b <= c for b, c in zip(shares, bounds, strict=True))
+        best = min(
+            max(m.predict(b) for m, b in zip(models, split_, strict=True))
+            for split_ in itertools.product(*(range(1, c + 1) for c in bounds))
+            if sum(split_) == total
+        )
+        assert max(m.predict(b) for m, b in zip(models, shares, strict=True)) == pytest.approx(best), (total, caps)
+
+
+def run(balancer: ShareBalancer, lines, steps: range) -> list[Rebalance]:
+    """Feed step times drawn from each worker's line (per step, lines(step) -> models); return the rebalances."""
+    events = []
+    for step in steps:
+        balancer.observe(step, [m.predict(b) for m, b in zip(lines(step), balancer.shares, strict=True)])
+        event = balancer.decide(step)
+        assert sum(balancer.shares) == balancer.global_batch
+        if event is not None:
+            events.append(event)
+    return events
+
+
+def test_balancer_moves_samples_off_a_slow_worker_once():
+    lines = [LinearTime(0.0, 0.01), LinearTime(0.0, 0.02)]
+    balancer = ShareBalancer(90, 2)
+    assert balancer.shares == [45, 45]
+    events = run(balancer, lambda step: lines, range(1, 20))
+    assert len(events) == 1 and balancer.shares == [60, 30] and balancer.events == events
+    # Step 1 is the warm-up; steps 2 and 3 give the two observations a fit needs.
+    assert events[0].to_event() == {
+        "step": 3,
+        "event": "rebalance",
+        "shares_from": [45, 45],
+        "shares_to": [60, 30],
+        "predicted_step_s_from": pytest.approx(0.9),
+        "predicted_step_s_to": pytest.approx(0.6),
+        "reason": "worker 1 is 2.00x slower per sample than worker 0; predicted step 0.900 s -> 0.600 s",
+    }
+
+
+def test_balancer_learns_fixed_costs_from_the_shares_it_tried():
+    lines = [LinearTime(0.1, 0.01), LinearTime(0.1, 0.02)]
+    balancer = ShareBalancer(90, 2, warmup_steps=2)
+    events = run(balancer, lambda step: lines, range(30))
+    # The first guess is proportional (one share seen); the second share shows the fixed cost.
+    assert [e.shares_to for e in events] == [[58, 32], [60, 30]]
+    assert events[0].step == 3 and balancer.shares == balanced(90, lines) == [60, 30]
+
+
+def test_balancer_names_a_fixed_cost_when_the_rates_match():
+    lines = [LinearTime(0.0, 0.01), LinearTime(0.3, 0.01)]
+    events = run(ShareBalancer(90, 2, shares=[30, 60]), lambda step: lines, range(15))
+    assert [e.reason for e in events] == [
+        "worker 1 is 1.50x slower per sample than worker 0; predicted step 0.900 s -> 0.540 s",  # one share: no line
+        "worker 1 finishes last with 36 samples and 0.300 s of fixed cost; predicted step 0.660 s -> 0.600 s",
+    ]
+
+
+def test_balancer_waits_for_a_gain_worth_the_move():
+    lines = [LinearTime(0.0, 0.010), LinearTime(0.0, 0.0104)]  # 2% apart: a better split saves under 5%
+    assert run(ShareBalancer(100, 2), lambda step: lines, range(20)) == []
+    eager = ShareBalancer(100, 2, min_gain=0.0)
+    assert [e.shares_to for e in run(eager, lambda step: lines, range(20))] == [[51, 49]]
+
+
+def test_balancer_follows_a_worker_that_slows_down():
+    fast, slow = [LinearTime(0.0, 0.01), LinearTime(0.0, 0.02)], [LinearTime(0.0, 0.01), LinearTime(0.0, 0.04)]
+    balancer = ShareBalancer(90, 2)
+    events = run(balancer, lambda step: fast if step < 10 else slow, range(1, 40))
+    assert len(events) >= 2 and events[0].shares_to == [60, 30]
+    assert events[1].step >= 10 and events[1].shares_to[1] < 30
+    assert events[1].predicted_s_to < events[1].predicted_s_from
+    assert balancer.shares == [72, 18]  # once the old times left the window: 0.72 s each
+
+
+def test_balancer_interval_and_window():
+    lines = [LinearTime(0.0, 0.01), LinearTime(0.0, 0.02)]
+    balancer = ShareBalancer(90, 2, interval=4, window=3)
+    assert [e.step for e in run(balancer, lambda step: lines, range(1, 12))] == [4]
+    assert [len(p) for p in balancer.state_dict()["points"]] == [3, 3]
+
+
+def test_balancer_rejects_bad_settings():
+    with pytest.raises(ValueError, match=r"shares \[40, 40\] must be 2 numbers >= 1 summing to 90"):
+        ShareBalancer(90, 2, shares=[40, 40])
+    with pytest.raises(ValueError, match="must be 3 numbers"):
+        ShareBalancer(90, 3, shares=[45, 45])
+    with pytest.raises(ValueError, match="window=1"):
+        ShareBalancer(90, 2, window=1)
+    with pytest.raises(ValueError, match="2 step times for 3 workers"):
+        ShareBalancer(90, 3).observe(0, [1.0, 1.0])
+
+
+def test_state_dict_round_trips():
+    lines = [LinearTime(0.1, 0.01), LinearTime(0.1, 0.02)]
+    balancer = ShareBalancer(90, 2)
+    run(balancer, lambda step: lines, range(8))
+    state = balancer.state_dict()
+    assert state["shares"] == [60, 30] and state["events"]
+    assert json.loads(json.dumps(state)) == state  # plain types only
+    restored = ShareBalancer(90, 2)
+    run(restored, lambda step: [LinearTime(0.0, 0.01)] * 2, range(3))  # a life of its own, then the saved one's
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    assert restored.state_dict() == state
+    assert restored.shares == [60, 30] and restored.events == balancer.events
+    assert restored.shard(1) == slice(60, 90)
+    # A resumed process pays its one-time costs again: its first step is warm-up, not a point on the line.
+    restored.observe(8, [9.0, 9.0])
+    assert restored.state_dict() == state
+    restored.observe(9, [0.7, 0.7])
+    assert restored.state_dict()["points"][0][-1] == [60, 0.7]
+
+
+def test_load_state_dict_on_another_world_size_starts_afresh():
+    lines = [LinearTime(0.0, 0.01), LinearTime(0.0, 0.02)]
+    balancer = ShareBalancer(90, 2)
+    run(balancer, lambda step: lines, range(8))
+    grown = ShareBalancer(90, 3)
+    run(grown, lambda step: [LinearTime(0.0, 0.01)] * 3, range(3))  # observed, equal: nothing to move
+    grown.load_state_dict(balancer.state_dict())
+    assert grown.shares == [30, 30, 30] and grown.events == []
+    assert grown.state_dict()["points"] == [[], [], []]
+    assert grown.decide(8) is None
+    other_batch = ShareBalancer(60, 2)
+    other_batch.load_state_dict(balancer.state_dict())
+    assert other_batch.shares == [30, 30] and other_batch.events == []
