@@ -106,10 +106,36 @@ def cmd_train(args: argparse.Namespace) -> int:
     from raytrm.train.defaults import resolve_experiment
     from raytrm.train.run import run_training
 
+    profiles = args.profile or []
+    distributed = args.workers is not None or args.address is not None
+    if len(profiles) > 1 and not distributed:
+        raise UserError("several --profile (one per tier) need --workers N or --address; give one to train alone")
+    overrides = _overrides(args)
     experiment, run_dir = resolve_experiment(
-        config_file=args.config, profile_file=args.profile, out=args.out, resume=args.resume, overrides=_overrides(args)
+        config_file=args.config,
+        profile_file=profiles[0] if profiles else None,
+        out=args.out,
+        resume=args.resume,
+        overrides=overrides,
     )
-    summary = run_training(experiment, run_dir, resume=args.resume, progress=not args.quiet)
+    if distributed:
+        from raytrm import config
+        from raytrm.distributed.ray_train import train_distributed
+
+        summary = train_distributed(
+            experiment,
+            run_dir,
+            workers=args.workers,
+            address=args.address,
+            profiles=[config.load_profile(p) for p in profiles],
+            profile_names=profiles,
+            explicit=sorted(overrides.get("training", {})),
+            resume=args.resume,
+            progress=not args.quiet,
+            balance=not args.equal_shares,
+        )
+    else:
+        summary = run_training(experiment, run_dir, resume=args.resume, progress=not args.quiet)
     print(format_summary(summary, run_dir))
     return 0
 
@@ -134,8 +160,13 @@ def format_summary(summary: dict, run_dir: object) -> str:
             f"(copying the givens scores {summary['eval_copy_givens_acc']:.3f}), "
             f"exact {summary['eval_exact_acc']:.3f}, {summary['eval_steps']:.1f} supervision steps"
         )
+    workers = (
+        f" on {summary['workers']} workers (shares {summary['shares']}, {len(summary['rebalances'])} rebalances)"
+        if summary.get("workers")
+        else ""
+    )
     lines = [
-        f"trained {summary['steps']} steps in {summary['train_seconds']:.1f} s "
+        f"trained {summary['steps']} steps{workers} in {summary['train_seconds']:.1f} s "
         f"({summary['samples_per_sec']:.1f} samples/s, {tokens}{summary['device']} {summary['dtype']}), "
         f"peak memory {summary['peak_rss_mb']:.0f} MiB",
         scores,
@@ -282,9 +313,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset directory")
     p.set_defaults(func=cmd_data)
 
-    p = sub.add_parser("train", help="train on this machine (no Ray); without arguments, a small TRM on Sudoku")
+    p = sub.add_parser(
+        "train",
+        help="train on this machine (no Ray), or on Ray Train workers with --workers/--address; without arguments, "
+        "a small TRM on Sudoku",
+    )
     p.add_argument("--config", metavar="FILE", help="training config (model, data, training)")
-    p.add_argument("--profile", metavar="FILE", help="a tuned profile: train with exactly its settings")
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        action="append",
+        help="a tuned profile: train with exactly its settings; with --workers/--address, once per tier",
+    )
+    p.add_argument("--workers", type=int, help="train on N Ray Train workers (a local Ray, or the --address cluster)")
+    p.add_argument(
+        "--address", help="train on a running Ray cluster (auto or HOST:PORT): one worker per machine by default"
+    )
+    p.add_argument(
+        "--equal-shares", action="store_true", help="with several workers: keep equal shares, never rebalance"
+    )
     p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/train-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest good checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress line")

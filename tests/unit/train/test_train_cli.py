@@ -102,3 +102,25 @@ def test_export_then_import_round_trips_the_ema_weights(tiny, tmp_path, capsys):
     capsys.readouterr()
     assert main(["import-checkpoint", str(config), "--out", str(tmp_path / "bad"), "--config", str(config)]) == 2
     one_error_line(capsys)
+
+
+def test_distributed_flags_refused_before_any_worker_starts(tiny, tmp_path, capsys):
+    config = cfg.write_yaml(tiny(), tmp_path / "config.yaml")
+    base = ["train", "--config", str(config), "--steps", "1", "--quiet"]
+    assert main([*base, "--workers", "0", "--out", str(tmp_path / "a")]) == 2
+    assert "--workers 0: expected a number of workers >= 1" in one_error_line(capsys)
+    limits = cfg.Limits(memory_budget_mb=2000)
+
+    def write_profile(tier, name, **training):
+        experiment = tiny(training=training)
+        profile = cfg.Profile(tier=tier, model=experiment.model, data=experiment.data, training=experiment.training)
+        profile.limits = limits
+        return cfg.write_yaml(profile, tmp_path / name)
+
+    profile = write_profile("t", "p.yaml")
+    assert main(["train", "--profile", str(profile), "--profile", str(profile), "--out", str(tmp_path / "b")]) == 2
+    assert "several --profile (one per tier) need --workers N or --address" in one_error_line(capsys)
+    other = write_profile("u", "q.yaml", lr=1.0)
+    assert main(["train", "--profile", str(profile), "--profile", str(other), "--workers", "2", "--steps", "1"]) == 2
+    assert "profiles describe different experiments (training.lr differ)" in one_error_line(capsys)
+    assert not any((tmp_path / name).exists() for name in "ab")

@@ -1,0 +1,302 @@
+"""`raytrm train --workers N | --address ...`: the plain training loop on Ray Train workers, one model trained together.
+
+The driver checks everything a user can get wrong before any worker starts (worker count, tiers of the profiles,
+the run directory on every node), then starts a TorchTrainer whose workers each build the same Trainer with a
+`ProcessGroupSync` and their share of every global batch. Each worker takes its machine's settings (micro-batch,
+threads, memory budget, thermal cap) from the profile of its node's tier, or from its tier's defaults; the learning
+settings are the same everywhere. Rank 0 writes the run directory, which every node must reach at the same path.
+
+A lost worker: Ray Train's FailureConfig restarts the group, and the restarted workers resume from the run
+directory's latest checkpoint: resume is exact, so the restart changes nothing but the time it costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from raytrm import config as cfg
+from raytrm.constants import RESOURCE_MACHINE, TIER_RESOURCE_PREFIX
+from raytrm.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+#: Training fields that belong to a machine, not to the experiment: each worker takes them from its own tier.
+MACHINE_FIELDS = (
+    "micro_batch_size",
+    "threads",
+    "interop_threads",
+    "dataloader_workers",
+    "memory_budget_mb",
+    "thermal_cap",
+    "thermal_action",
+    "device",
+)
+
+
+@dataclasses.dataclass
+class Node:
+    """One alive Ray node that can take a raytrm worker."""
+
+    node_id: str
+    address: str
+    tier: str | None
+    cpus: float
+
+
+def raytrm_nodes() -> list[Node]:
+    """Alive nodes, raytrm machines first (those advertising the machine unit), each with its tier."""
+    import ray
+
+    nodes = []
+    for info in ray.nodes():
+        if not info.get("Alive"):
+            continue
+        res = info.get("Resources", {})
+        tiers = [k[len(TIER_RESOURCE_PREFIX) :] for k in res if k.startswith(TIER_RESOURCE_PREFIX)]
+        if res.get(RESOURCE_MACHINE):
+            nodes.append(Node(info["NodeID"], info["NodeManagerAddress"], tiers[0] if tiers else None, res["CPU"]))
+    return nodes
+
+
+def profile_settings(profiles: Sequence[cfg.Profile], names: Sequence[str]) -> tuple[dict, dict, dict]:
+    """Per tier: the machine settings and the measured samples/s of its profile; plus the shared experiment.
+
+    Every profile must describe the same experiment (model, data and learning settings): only machine fields may
+    differ, or the workers would not be training one model.
+    """
+    machines: dict[str, dict[str, Any]] = {}
+    weights: dict[str, float] = {}
+    shared: dict[str, Any] | None = None
+    for profile, name in zip(profiles, names, strict=True):
+        if profile.tier in machines:
+            raise UserError(f"{name}: a second profile for tier {profile.tier}; give one --profile per tier")
+        training = cfg.to_dict(profile.training)
+        machine = {k: training.pop(k) for k in MACHINE_FIELDS}
+        machine["micro_batch_size"] = profile.training.micro_batch
+        machine["memory_budget_mb"] = machine["memory_budget_mb"] or profile.limits.memory_budget_mb
+        machine["thermal_cap"] = machine["thermal_cap"] or profile.limits.thermal_cap
+        training.pop("grad_accum_steps")
+        experiment = {"model": cfg.to_dict(profile.model), "data": cfg.to_dict(profile.data), "training": training}
+        if shared is not None and experiment != shared:
+            differs = sorted(
+                f"{section}.{key}"
+                for section in experiment
+                for key in experiment[section]
+                if experiment[section][key] != shared[section].get(key)
+            )
+            raise UserError(
+                f"{name}: the profiles describe different experiments ({', '.join(differs)} differ); profiles of "
+                "one run may differ only in machine settings (micro-batch, threads, limits, device)"
+            )
+        shared = experiment
+        machines[profile.tier] = machine
+        weights[profile.tier] = profile.measured.samples_per_sec or 0.0
+    return machines, weights, shared or {}
+
+
+def _check_storage(run_dir: Path, nodes: Sequence[Node]) -> None:
+    """Every node that may hold rank 0 can create and write the run directory, at the same path."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def try_write(path: str) -> str | None:
+        probe = Path(path) / f".raytrm-write-check-{uuid.uuid4().hex}"
+        try:
+            probe.parent.mkdir(parents=True, exist_ok=True)
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            return e.strerror or str(e)
+        return None
+
+    checks = [
+        try_write.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote(
+            str(run_dir.resolve())
+        )
+        for n in nodes
+    ]
+    for node, error in zip(nodes, ray.get(checks), strict=True):
+        if error:
+            raise UserError(
+                f"{run_dir.resolve()}: node {node.address} cannot write the run directory ({error}); give --out a "
+                "path every Mac reaches at the same place (a shared mount, see README 'Training on several Macs')"
+            )
+
+
+def train_distributed(
+    config: cfg.ExperimentConfig,
+    run_dir: str | Path,
+    *,
+    workers: int | None = None,
+    address: str | None = None,
+    profiles: Sequence[cfg.Profile] = (),
+    profile_names: Sequence[str] = (),
+    explicit: Sequence[str] = (),
+    resume: bool = False,
+    progress: bool = True,
+    balance: bool = True,
+    max_failures: int = 2,
+) -> dict[str, Any]:
+    """Train config on Ray Train workers (N on this machine, or one per node of the cluster at address).
+
+    `explicit` names the training fields the user set by flag: they hold on every worker over tier defaults.
+    Returns rank 0's summary.
+    """
+    from raytrm.distributed.cluster import connect
+    from raytrm.train import checkpoint as ckpt
+    from raytrm.train.run import CHECKPOINT_DIR, SUMMARY_FILE
+
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers {workers}: expected a number of workers >= 1")
+    run_dir = Path(run_dir)
+    if not resume and ckpt.list_checkpoints(run_dir / CHECKPOINT_DIR):
+        raise UserError(f"{run_dir}: already holds a run's checkpoints; continue it with --resume, or choose --out")
+    machines, weights, _ = profile_settings(profiles, profile_names) if profiles else ({}, {}, {})
+    owned = connect(address)
+    try:
+        nodes = raytrm_nodes()
+        on_cluster = address is not None
+        count = workers or len(nodes)
+        if on_cluster and count > len(nodes):
+            raise UserError(
+                f"--workers {count}: the cluster has {len(nodes)} raytrm machine(s), one worker each; start more "
+                "nodes with `ray start` or ask for fewer workers"
+            )
+        missing = sorted(set(machines) - {n.tier for n in nodes})
+        if missing:
+            raise UserError(
+                f"--profile for tier(s) {', '.join(missing)}: no node of the cluster has that tier (it has: "
+                f"{', '.join(sorted({str(n.tier) for n in nodes}))}); drop that profile or start such a node"
+            )
+        _check_storage(run_dir, nodes)
+        job = {
+            "config": config,
+            "run_dir": str(run_dir.resolve()),
+            "resume": resume,
+            "progress": progress,
+            "balance": balance,
+            "machines": machines,
+            "weights": weights,
+            "explicit": list(explicit),
+            "workers_per_machine": 1 if on_cluster else count,
+        }
+        _fit(job, count, on_cluster, nodes, run_dir, max_failures)
+        return json.loads((run_dir / SUMMARY_FILE).read_text())
+    finally:
+        if owned:
+            import ray
+
+            ray.shutdown()
+
+
+def _fit(job: dict, count: int, on_cluster: bool, nodes: Sequence[Node], run_dir: Path, max_failures: int) -> None:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrm.hardware import device as devices
+
+    kind, _ = devices.available_kind()
+    use_gpu = kind == devices.CUDA and job["config"].training.device in ("auto", devices.CUDA)
+    backend = devices.collective_backend(devices.pick_device(devices.CUDA if use_gpu else devices.CPU))
+    if on_cluster:
+        resources = {RESOURCE_MACHINE: 1, "CPU": 1}  # one worker per Mac: its machine unit
+    else:
+        cpus = min(n.cpus for n in nodes) if nodes else float(os.cpu_count() or 1)
+        resources = {"CPU": min(1.0, cpus / count)}
+    trainer = TorchTrainer(
+        _worker_loop,
+        train_loop_config=job,
+        torch_config=TorchConfig(backend=backend),
+        scaling_config=ScalingConfig(num_workers=count, use_gpu=use_gpu, resources_per_worker=resources),
+        run_config=RunConfig(
+            name=f"train-{uuid.uuid4().hex[:8]}",
+            storage_path=str((run_dir / "ray").resolve()),
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
+    )
+    trainer.fit()
+
+
+# -- inside each worker ------------------------------------------------------------------------------------------
+
+
+def _node_tier() -> str:
+    """The tier of the node this worker runs on: its Ray resource, else this machine's own tier."""
+    import ray
+
+    me = ray.get_runtime_context().get_node_id()
+    for node in raytrm_nodes():
+        if node.node_id == me and node.tier:
+            return node.tier
+    from raytrm.hardware.probe import detect
+    from raytrm.hardware.tiers import match_tier
+
+    return match_tier(detect()).name
+
+
+def worker_config(job: dict, tier: str) -> cfg.ExperimentConfig:
+    """The experiment with this worker's machine settings: its tier's profile, else its tier's defaults."""
+    config: cfg.ExperimentConfig = job["config"]
+    explicit = set(job["explicit"])
+    settings = dict(job["machines"].get(tier, {}))
+    if not settings:
+        from raytrm.hardware.probe import detect
+        from raytrm.hardware.tiers import match_tier
+        from raytrm.train.defaults import tier_settings
+
+        own = match_tier(detect())
+        settings = tier_settings(own)
+        share = job["workers_per_machine"]
+        if share > 1:  # workers that share one machine share its cores and its memory
+            settings["threads"] = max(1, own.threads // share)
+            settings["memory_budget_mb"] = max(64, own.memory_budget_mb // share)
+    training = config.training
+    changes = {k: v for k, v in settings.items() if k not in explicit and v is not None}
+    return dataclasses.replace(config, training=dataclasses.replace(training, **changes))
+
+
+def _worker_loop(job: dict) -> None:
+    import ray.train
+
+    from raytrm.distributed.shares import split
+    from raytrm.distributed.sync import ProcessGroupSync
+    from raytrm.hardware import device as devices
+    from raytrm.train import checkpoint as ckpt
+    from raytrm.train.run import CHECKPOINT_DIR, run_training
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    rank = ray.train.get_context().get_world_rank()
+    tier = _node_tier()
+    config = worker_config(job, tier)
+    sync = ProcessGroupSync(devices.pick_device(config.training.device))
+    # Shares start from the profiles' measured speeds (equal without them); the balancer refines them.
+    speeds = [row[0] for row in sync.gather_floats([job["weights"].get(tier, 0.0)])]
+    global_batch = config.training.global_batch_size
+    shares = split(global_batch, speeds) if all(s > 0 for s in speeds) else split(global_batch, [1.0] * len(speeds))
+    run_dir = Path(job["run_dir"])
+    # A restart after a lost worker finds this run's checkpoints (a fresh run started without any): resume.
+    found = bool(ckpt.list_checkpoints(run_dir / CHECKPOINT_DIR)) if rank == 0 else None
+    resume = job["resume"] or bool(sync.broadcast_object(found))
+    logger.info("worker %d on tier %s: share %d of %d", rank, tier, shares[rank], global_batch)
+
+    def report(step: int, path: Path | None) -> None:
+        ray.train.report({"step": step, "checkpoint": str(path) if path else None})
+
+    run_training(
+        config,
+        run_dir,
+        resume=resume,
+        progress=job["progress"] and rank == 0,
+        sync=sync,
+        shares=shares,
+        balance=job["balance"],
+        on_checkpoint=report,
+    )
