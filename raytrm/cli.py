@@ -247,6 +247,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
             rows, overhead = memory.bench_memory(hidden, args.checks, args.threads, Path(work))
         print(memory.format_rows(rows, overhead))
         results: object = memory.as_json(rows, overhead)
+    elif args.what == "distributed":
+        from raytrm.bench import distributed
+
+        with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
+            dist_rows = distributed.run(
+                args.parts,
+                args.device if args.device != "auto" else "cpu",
+                args.batch,
+                args.slowdown,
+                args.repeats,
+                args.workers,
+                Path(work),
+            )
+        print(distributed.format_rows(dist_rows))
+        results = distributed.as_json(dist_rows)
     elif args.what == "transformer":
         from raytrm.bench import transformer
 
@@ -368,10 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure training throughput against this machine's matmul ceiling")
     p.add_argument(
         "what",
-        choices=("trm", "transformer", "memory", "tune"),
+        choices=("trm", "transformer", "memory", "tune", "distributed"),
         help="trm: TRM training samples/s and fraction of the matmul rate; transformer: byte-level LM training "
         "tokens/s and fraction of the matmul rate; memory: the memory model's prediction error and the cost of "
-        "per-step monitoring",
+        "per-step monitoring; distributed: unequal workers with balanced and equal shares against their solo sum, Ray "
+        "Train's per-step cost, gradient sync per link, scaling over GPUs",
     )
     p.add_argument(
         "--seq-lens", nargs="+", type=int, default=[128, 256, 512], help="transformer: sequence lengths to time"
@@ -402,6 +418,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="a checkout of the TRM reference (SamsungSAILMontreal/TinyRecursiveModels): add its training step's row"
         " beside each raytrm row, measured in the same run",
+    )
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        default=["pair", "ray", "sync"],
+        choices=("pair", "ray", "sync", "scaling"),
+        help="distributed: which measurements (scaling wants --device cuda and --workers 1 2)",
+    )
+    p.add_argument("--slowdown", type=float, default=2.0, help="distributed: how much slower the slow worker is")
+    p.add_argument(
+        "--workers", nargs="+", type=int, default=[1, 2], help="distributed: worker counts of the scaling rows"
     )
     p.add_argument("--space", metavar="FILE", help="tune: the space whose grid is measured (default: quick)")
     p.add_argument("--table", metavar="FILE", help="tune: the measured grid (JSON), written by --measure")

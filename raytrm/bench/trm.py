@@ -49,9 +49,10 @@ class TrmRow:
     ratio: float | None = None
 
 
-def _experiment(
+def reference_experiment(
     variant: str, hidden: int, batch: int, threads: int | None, device: str, data_dir: Path, dtype: str
 ) -> cfg.ExperimentConfig:
+    """The reference's Sudoku configuration at a width and batch, on a Sudoku dataset in data_dir."""
     model = {
         **REFERENCE_SUDOKU,
         "variant": variant,
@@ -118,7 +119,7 @@ def bench_trm(
     rows = []
     for variant in variants:
         for hidden in hiddens:
-            experiment = _experiment(variant, hidden, batch, threads, device, data_dir, dtype)
+            experiment = reference_experiment(variant, hidden, batch, threads, device, data_dir, dtype)
             rows.extend(_measure_pair(experiment, data_dir, reference, repeats))
     return rows
 
