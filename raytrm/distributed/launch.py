@@ -7,6 +7,7 @@ sync can be checked where Ray is absent (a GPU machine with only PyTorch) and wi
 from __future__ import annotations
 
 import io
+import os
 import queue
 import socket
 import traceback
@@ -32,6 +33,9 @@ def _worker(
     import torch.distributed as dist
 
     try:
+        # Processes that share a machine share its cores: torch's default pool in each would take them all, and
+        # oversubscribed OpenMP pools stall for scheduler quanta at every parallel region. A config's threads win.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         target = torch.device(device, rank) if device == devices.CUDA else torch.device(device)
         if target.type == devices.CUDA:
             torch.cuda.set_device(target)
