@@ -117,6 +117,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         out=args.out,
         resume=args.resume,
         overrides=overrides,
+        tier_defaults=not distributed,
     )
     if distributed:
         from raytrm import config

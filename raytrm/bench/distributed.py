@@ -160,23 +160,31 @@ def bench_ray(config: cfg.ExperimentConfig, work_dir: Path, repeats: int) -> lis
     """samples/s of the plain Trainer's run and of one Ray Train worker's run of the same steps, alternated."""
     import ray
 
-    from raytrm.distributed.ray_train import train_distributed
+    from raytrm.distributed.cluster import connect
+    from raytrm.distributed.ray_train import train_distributed, worker_config
     from raytrm.train.run import run_training
 
+    # The plain run gets exactly what the one Ray worker will run with: this machine's tier fills the same fields.
+    job = {"config": config, "machines": {}, "explicit": [], "workers_per_machine": 1}
+    alone = worker_config(job, tier="")
     plain, on_ray = [], []
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    owned = connect(None)  # a local Ray as `raytrm train --workers` starts it
     try:
         for k in range(repeats):
-            plain.append(run_training(config, work_dir / f"plain-{k}")["samples_per_sec"])
+            plain.append(run_training(alone, work_dir / f"plain-{k}")["samples_per_sec"])
             summary = train_distributed(config, work_dir / f"ray-{k}", workers=1, progress=False)
             on_ray.append(summary["samples_per_sec"])
     finally:
-        ray.shutdown()
+        if owned:
+            ray.shutdown()
     batch = config.training.global_batch_size
     p, r = statistics.median(plain), statistics.median(on_ray)
+    ratios = sorted(b / a for a, b in zip(plain, on_ray, strict=True))  # each Ray run against the plain run before it
+    mid = statistics.median(ratios)
+    note = f"training steps only; per-pair ratios {ratios[0]:.3f}-{ratios[-1]:.3f}, median {mid:.3f}"
     return [
         Row("ray", "plain Trainer", 1, batch, p, batch / p, 0.0, [batch]),
-        Row("ray", "Ray Train worker", 1, batch, r, batch / r, 0.0, [batch], ratio=r / p, note="training steps only"),
+        Row("ray", "Ray Train worker", 1, batch, r, batch / r, 0.0, [batch], ratio=r / p, note=note),
     ]
 
 

@@ -160,6 +160,8 @@ def train_distributed(
     if not resume and ckpt.list_checkpoints(run_dir / CHECKPOINT_DIR):
         raise UserError(f"{run_dir}: already holds a run's checkpoints; continue it with --resume, or choose --out")
     machines, weights, _ = profile_settings(profiles, profile_names) if profiles else ({}, {}, {})
+    if profiles:  # the first profile's machine settings are its tier's: other tiers take theirs, or their defaults
+        config = without_machine_settings(config, keep=explicit)
     owned = connect(address)
     try:
         nodes = raytrm_nodes()
@@ -243,11 +245,16 @@ def _node_tier() -> str:
 
 
 def worker_config(job: dict, tier: str) -> cfg.ExperimentConfig:
-    """The experiment with this worker's machine settings: its tier's profile, else its tier's defaults."""
+    """The experiment with this worker's machine settings: its tier's profile (over everything but flags), else
+    its own tier's defaults where the experiment leaves a setting unset."""
+    from raytrm.train.defaults import fill_from_tier
+
     config: cfg.ExperimentConfig = job["config"]
-    explicit = set(job["explicit"])
-    settings = dict(job["machines"].get(tier, {}))
-    if not settings:
+    training = cfg.to_dict(config.training)
+    profile = job["machines"].get(tier)
+    if profile:
+        training.update({k: v for k, v in profile.items() if k not in job["explicit"] and v is not None})
+    else:
         from raytrm.hardware.probe import detect
         from raytrm.hardware.tiers import match_tier
         from raytrm.train.defaults import tier_settings
@@ -258,9 +265,16 @@ def worker_config(job: dict, tier: str) -> cfg.ExperimentConfig:
         if share > 1:  # workers that share one machine share its cores and its memory
             settings["threads"] = max(1, own.threads // share)
             settings["memory_budget_mb"] = max(64, own.memory_budget_mb // share)
-    training = config.training
-    changes = {k: v for k, v in settings.items() if k not in explicit and v is not None}
-    return dataclasses.replace(config, training=dataclasses.replace(training, **changes))
+        fill_from_tier(training, settings)
+    changes = {k: training[k] for k in MACHINE_FIELDS if training[k] != getattr(config.training, k)}
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, **changes))
+
+
+def without_machine_settings(config: cfg.ExperimentConfig, keep: Sequence[str] = ()) -> cfg.ExperimentConfig:
+    """The experiment with its machine settings (but those in keep) unset, for workers to fill from their tiers."""
+    defaults = cfg.TrainConfig()
+    unset = {k: getattr(defaults, k) for k in MACHINE_FIELDS if k not in keep}
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, grad_accum_steps=1, **unset))
 
 
 def _worker_loop(job: dict) -> None:

@@ -73,16 +73,21 @@ def tier_settings(tier: Any) -> dict[str, Any]:
     }
 
 
+def fill_from_tier(training: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """Fill a training section's unset fields (None) from a tier's settings (see tier_settings)."""
+    for key, value in settings.items():
+        if training.get(key) is None:
+            training[key] = value
+    return training
+
+
 def _with_tier_defaults(data: dict[str, Any]) -> dict[str, Any]:
     """Fill threads, loader workers and limits from this machine's tier where the config leaves them unset."""
     from raytrm.hardware.probe import detect
     from raytrm.hardware.tiers import match_tier
 
-    training = data.setdefault("training", {})
     tier = match_tier(detect())
-    for key, value in tier_settings(tier).items():
-        if training.get(key) is None:
-            training[key] = value
+    fill_from_tier(data.setdefault("training", {}), tier_settings(tier))
     logger.info("tier %s: %s", tier.name, tier.reason)
     return data
 
@@ -94,8 +99,14 @@ def resolve_experiment(
     out: str | None,
     resume: bool,
     overrides: dict[str, dict[str, Any]],
+    tier_defaults: bool = True,
 ) -> tuple[cfg.ExperimentConfig, Path]:
-    """The validated experiment and its run directory for `raytrm train`'s arguments."""
+    """The validated experiment and its run directory for `raytrm train`'s arguments.
+
+    tier_defaults=False leaves the machine settings a config does not give unset: distributed workers fill them
+    from their own machines' tiers.
+    """
+    tier_fill = _with_tier_defaults if tier_defaults else (lambda data: data)
     if config_file and profile_file:
         raise UserError("give --config or --profile, not both")
     if resume:
@@ -119,12 +130,12 @@ def resolve_experiment(
         base["training"]["thermal_cap"] = base["training"]["thermal_cap"] or profile.limits.thermal_cap
         source = profile_file
     elif config_file:
-        base = _with_tier_defaults(cfg.to_dict(cfg.load(cfg.ExperimentConfig, config_file)))
+        base = tier_fill(cfg.to_dict(cfg.load(cfg.ExperimentConfig, config_file)))
         source = config_file
     else:
         transformer = overrides.get("model", {}).get("name") == "transformer"
         default = DEFAULT_TRANSFORMER_EXPERIMENT if transformer else DEFAULT_EXPERIMENT
-        base = _with_tier_defaults(copy.deepcopy(default))
+        base = tier_fill(copy.deepcopy(default))
         source = "the embedded default"
     merged = _merge(base, overrides)
     experiment = cfg.from_dict(cfg.ExperimentConfig, merged, source if not overrides else f"{source} + flags")

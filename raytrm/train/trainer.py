@@ -116,7 +116,7 @@ class Trainer:
 
     @property
     def carry(self) -> Carry | None:
-        """TRM's carry: one slot per sample of the global batch (None before the first step, and for transformers)."""
+        """TRM's carry: one slot per sample of this worker's share (None before the first step and for transformers)."""
         return self.task.carry
 
     @property

@@ -16,7 +16,7 @@ import torch
 
 from raytrm.bench import reference
 from raytrm.bench.reference import ReferenceTrainer, load_reference_classes
-from raytrm.bench.trm import _experiment
+from raytrm.bench.trm import reference_experiment
 from raytrm.data.build import build_dataset
 from raytrm.errors import UserError
 
@@ -160,7 +160,7 @@ def test_loads_the_checkout_and_leaves_imports_as_they_were(tmp_path: Path, monk
 
 def test_trainer_drives_the_reference_step(tmp_path: Path) -> None:
     data_dir = build_dataset("sudoku", tmp_path / "sudoku", count=4, test_count=1)
-    experiment = _experiment("mlp_t", 8, 4, None, "cpu", data_dir, "auto")
+    experiment = reference_experiment("mlp_t", 8, 4, None, "cpu", data_dir, "auto")
     checkout = fake_checkout(tmp_path / "ref")
     trainer = ReferenceTrainer(checkout, experiment, data_dir, torch.device("cpu"), torch.float32)
     inner = trainer.model.model
