@@ -65,8 +65,8 @@ def raytrm_nodes() -> list[Node]:
     return nodes
 
 
-def profile_settings(profiles: Sequence[cfg.Profile], names: Sequence[str]) -> tuple[dict, dict, dict]:
-    """Per tier: the machine settings and the measured samples/s of its profile; plus the shared experiment.
+def profile_settings(profiles: Sequence[cfg.Profile], names: Sequence[str]) -> tuple[dict, dict]:
+    """Per tier: the machine settings and the measured samples/s of its profile.
 
     Every profile must describe the same experiment (model, data and learning settings): only machine fields may
     differ, or the workers would not be training one model.
@@ -98,37 +98,51 @@ def profile_settings(profiles: Sequence[cfg.Profile], names: Sequence[str]) -> t
         shared = experiment
         machines[profile.tier] = machine
         weights[profile.tier] = profile.measured.samples_per_sec or 0.0
-    return machines, weights, shared or {}
+    return machines, weights
 
 
-def _check_storage(run_dir: Path, nodes: Sequence[Node]) -> None:
-    """Every node that may hold rank 0 can create and write the run directory, at the same path."""
+def _check_nodes(run_dir: Path, data_path: str | None, nodes: Sequence[Node]) -> None:
+    """On every node (any may hold rank 0): the dataset is there, and the run directory can be written, at the
+    same paths."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     @ray.remote(num_cpus=0)
-    def try_write(path: str) -> str | None:
-        probe = Path(path) / f".raytrm-write-check-{uuid.uuid4().hex}"
+    def check(run: str, data: str | None) -> str | None:
+        if data and not Path(data).exists():
+            return (
+                f"{data}: no such dataset on this node; put it at the same path on every Mac, or leave --data out "
+                "to have each node generate it"
+            )
+        probe = Path(run) / f".raytrm-write-check-{uuid.uuid4().hex}"
         try:
             probe.parent.mkdir(parents=True, exist_ok=True)
             probe.write_text("ok")
             probe.unlink()
         except OSError as e:
-            return e.strerror or str(e)
+            return (
+                f"{run}: cannot write the run directory ({e.strerror or e}); give --out a path every Mac reaches "
+                "at the same place (a shared mount, see README 'Training on several Macs')"
+            )
         return None
 
-    checks = [
-        try_write.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote(
-            str(run_dir.resolve())
-        )
-        for n in nodes
-    ]
+    run = str(run_dir.resolve())
+    data = str(Path(data_path).resolve()) if data_path else None
+    strategy = NodeAffinitySchedulingStrategy
+    checks = [check.options(scheduling_strategy=strategy(n.node_id, soft=False)).remote(run, data) for n in nodes]
     for node, error in zip(nodes, ray.get(checks), strict=True):
         if error:
-            raise UserError(
-                f"{run_dir.resolve()}: node {node.address} cannot write the run directory ({error}); give --out a "
-                "path every Mac reaches at the same place (a shared mount, see README 'Training on several Macs')"
-            )
+            raise UserError(f"node {node.address}: {error}")
+
+
+def _user_error(error: BaseException) -> UserError | None:
+    """The UserError a worker raised, under Ray's wrapping, if that is what failed it."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, UserError):
+            return seen
+        seen = getattr(seen, "cause", None) or seen.__cause__
+    return None
 
 
 def train_distributed(
@@ -159,7 +173,7 @@ def train_distributed(
     run_dir = Path(run_dir)
     if not resume and ckpt.list_checkpoints(run_dir / CHECKPOINT_DIR):
         raise UserError(f"{run_dir}: already holds a run's checkpoints; continue it with --resume, or choose --out")
-    machines, weights, _ = profile_settings(profiles, profile_names) if profiles else ({}, {}, {})
+    machines, weights = profile_settings(profiles, profile_names) if profiles else ({}, {})
     if profiles:  # the first profile's machine settings are its tier's: other tiers take theirs, or their defaults
         config = without_machine_settings(config, keep=explicit)
     owned = connect(address)
@@ -178,7 +192,7 @@ def train_distributed(
                 f"--profile for tier(s) {', '.join(missing)}: no node of the cluster has that tier (it has: "
                 f"{', '.join(sorted({str(n.tier) for n in nodes}))}); drop that profile or start such a node"
             )
-        _check_storage(run_dir, nodes)
+        _check_nodes(run_dir, config.data.path, nodes)
         job = {
             "config": config,
             "run_dir": str(run_dir.resolve()),
@@ -224,7 +238,15 @@ def _fit(job: dict, count: int, on_cluster: bool, nodes: Sequence[Node], run_dir
             failure_config=FailureConfig(max_failures=max_failures),
         ),
     )
-    trainer.fit()
+    from ray.train import WorkerGroupError
+
+    try:
+        trainer.fit()
+    except WorkerGroupError as e:  # a worker's bad input (say, a corrupt checkpoint) is still one line
+        found = [u for u in map(_user_error, e.worker_failures.values()) if u is not None]
+        if found:
+            raise UserError(str(found[0])) from None
+        raise
 
 
 # -- inside each worker ------------------------------------------------------------------------------------------

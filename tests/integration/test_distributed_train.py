@@ -142,4 +142,16 @@ def test_bad_input_is_one_line_before_any_worker_starts(ray_cluster, puzzles, tm
         train_distributed(config, blocker / "run", workers=2)
     with pytest.raises(UserError, match=r"--address 127.0.0.1:1: cannot reach a Ray head there"):
         train_distributed(config, tmp_path / "d", workers=2, address="127.0.0.1:1")
-    assert not any((tmp_path / name).exists() for name in "abcd")
+    missing = experiment(puzzles, steps=2)
+    missing.data.path = str(tmp_path / "no-such-dataset")
+    with pytest.raises(UserError, match=r"no-such-dataset: no such dataset on this node"):
+        train_distributed(missing, tmp_path / "e", workers=2)
+    assert not any((tmp_path / name).exists() for name in "abcde")
+
+
+def test_a_workers_bad_input_is_one_line_too(ray_cluster, puzzles, tmp_path):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "step-00000002.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match=r"no checkpoint verifies"):
+        train_distributed(experiment(puzzles, steps=4), tmp_path / "run", workers=2, resume=True, max_failures=0)
