@@ -137,6 +137,7 @@ def _loop(
     on_checkpoint: Callable[[int, Path | None], None] | None = None,
 ) -> dict[str, Any]:
     train = trainer.config.training
+    rank0 = log is not None  # the one worker that writes the run directory and evaluates
 
     def write(record: dict[str, Any]) -> None:
         if log is not None:
@@ -158,7 +159,7 @@ def _loop(
         state["shares_balancer"] = peers.state_dict()
         if governor is not None:
             state["memory_governor"] = governor.state_dict()
-        path = ckpt.save_checkpoint(state, run_dir / CHECKPOINT_DIR, trainer.step) if log is not None else None
+        path = ckpt.save_checkpoint(state, run_dir / CHECKPOINT_DIR, trainer.step) if rank0 else None
         if on_checkpoint is not None:
             on_checkpoint(trainer.step, path)
         return path
@@ -216,7 +217,7 @@ def _loop(
             if peers.rows:
                 record["workers"] = peers.rows
             window_seconds, window_samples = 0.0, 0
-            if log is not None and train.eval_interval and trainer.step % train.eval_interval == 0:
+            if rank0 and train.eval_interval and trainer.step % train.eval_interval == 0:
                 record.update(trainer.evaluate())
             write(record)
             shown = {"samples/s": record["samples_per_sec"]}
@@ -230,7 +231,7 @@ def _loop(
             bar.update(trainer.step, shown)
         if train.checkpoint_interval and trainer.step % train.checkpoint_interval == 0:
             save()
-    final_eval = trainer.evaluate() if log is not None else {}
+    final_eval = trainer.evaluate() if rank0 else {}
     path = save()
     peak_rss = trainer.resources.sample()["peak_rss_mb"]
     return {
