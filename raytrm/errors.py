@@ -20,7 +20,11 @@ class ConfigError(UserError):
     """A config or profile value that does not validate."""
 
     def __init__(self, source: str, path: str, received: object, expected: str, fix: str = "") -> None:
-        self.source, self.path, self.received, self.expected = source, path, received, expected
+        self.source, self.path, self.received, self.expected, self.fix = source, path, received, expected, fix
         where = f"{source}: {path}" if path else source
         tail = f"; fix: {fix}" if fix else ""
         super().__init__(f"{where}: got {received!r}, expected {expected}{tail}")
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its fields, so it crosses process boundaries (a Ray worker's error reaching the driver).
+        return (type(self), (self.source, self.path, self.received, self.expected, self.fix))

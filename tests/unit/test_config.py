@@ -155,3 +155,13 @@ def test_written_configs_hold_only_the_fields_that_apply_and_read_back_equal(tmp
     for experiment in (trm, text):
         path = config.write_yaml(config.to_dict(experiment), tmp_path / "c.yaml")
         assert config.load(ExperimentConfig, path) == experiment
+
+
+def test_config_errors_survive_pickling_as_ray_workers_send_them():
+    import pickle
+
+    from raytrm.errors import ConfigError
+
+    error = ConfigError("run.yaml", "training.lr", -1, "a value > 0", "give a positive learning rate")
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is ConfigError and str(again) == str(error)
