@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,20 +106,26 @@ def compare(alone: dict[str, Any], spread: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Check the sync on this machine's devices: a tiny TRM, uneven shares, against one process."""
+def _experiment(model: str, device: str, work: Path) -> cfg.ExperimentConfig:
+    """A small TRM on generated Sudoku, or a small byte-level LM on generated text, in fp32 on device."""
     from raytrm.data.build import build_dataset
-    from raytrm.distributed.launch import spawn
-    from raytrm.distributed.shares import split
 
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--data", default="/tmp/raytrm-equivalence-sudoku")
-    args = parser.parse_args(argv)
-    data = build_dataset("sudoku", args.data, count=256, test_count=16, givens=40, seed=7, overwrite=True)
-    config = cfg.from_dict(
+    training = {"global_batch_size": 48, "lr": 3e-3, "warmup_steps": 2, "device": device, "dtype": "float32"}
+    if model == "lm":
+        work.mkdir(parents=True, exist_ok=True)
+        text = work / "words.txt"
+        words = ["red", "cat", "sat", "on", "the", "mat", "and", "ran", "far", "away"]
+        text.write_text("".join(" ".join(words[(i * 7 + j) % 10] for j in range(6)) + ".\n" for i in range(800)))
+        return cfg.from_dict(
+            cfg.ExperimentConfig,
+            {
+                "model": {"name": "transformer", "hidden_size": 64, "num_heads": 4, "layers": 2, "seq_len": 32},
+                "data": {"name": "text", "path": str(text)},
+                "training": {**training, "seed": 5, "grad_clip": 1.0},
+            },
+        )
+    data = build_dataset("sudoku", work / "sudoku", count=256, test_count=16, givens=40, seed=7, overwrite=True)
+    return cfg.from_dict(
         cfg.ExperimentConfig,
         {
             "model": {
@@ -131,17 +138,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "forward_dtype": "float32",
             },
             "data": {"path": str(data)},
-            "training": {
-                "global_batch_size": 48,
-                "lr": 3e-3,
-                "warmup_steps": 2,
-                "puzzle_emb_lr": 1e-2,
-                "device": args.device,
-                "dtype": "float32",
-                "seed": 3,
-            },
+            "training": {**training, "puzzle_emb_lr": 1e-2, "seed": 3},
         },
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Check the sync on this machine's devices: uneven shares that move mid-run, against one process."""
+    from raytrm.distributed.launch import spawn
+    from raytrm.distributed.shares import split
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--model", choices=("trm", "lm"), default="trm", help="a tiny TRM, or a byte-level LM")
+    parser.add_argument("--work", default="/tmp/raytrm-equivalence", help="where the generated data goes")
+    args = parser.parse_args(argv)
+    config = _experiment(args.model, args.device, Path(args.work))
     uneven = split(48, list(range(1, args.workers + 1)))
     schedule = [uneven] * (args.steps // 2) + [list(reversed(uneven))] * (args.steps - args.steps // 2)
     alone = train_alone(config, args.steps)
@@ -153,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dumps(
             {
                 "device": args.device,
+                "model": args.model,
                 "workers": args.workers,
                 "schedule": schedule,
                 "spread": result,
@@ -162,8 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     exact = result["grad"] <= max(1e-5, 2 * recut["grad"]) and result["carry_slots_equal"]
     print(
-        f"{'PASS' if exact else 'FAIL'}: {args.workers} workers vs one process, worst gradient difference "
-        f"{result['grad']:.2e} of each tensor's largest entry (one process re-cut: {recut['grad']:.2e})"
+        f"{'PASS' if exact else 'FAIL'}: {args.model} on {args.workers} workers vs one process, worst gradient "
+        f"difference {result['grad']:.2e} of each tensor's largest entry (one process re-cut: {recut['grad']:.2e})"
     )
     return 0 if exact else 1
 
