@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrm import config as cfg
-from raytrm.constants import RESOURCE_MACHINE, TIER_RESOURCE_PREFIX
+from raytrm.constants import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV, RESOURCE_MACHINE, TIER_RESOURCE_PREFIX
 from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -308,8 +308,11 @@ def _worker_loop(job: dict) -> None:
     from raytrm.train import checkpoint as ckpt
     from raytrm.train.run import CHECKPOINT_DIR, run_training
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     rank = ray.train.get_context().get_world_rank()
+    # Rank 0 speaks for the run; the others say only what goes wrong (Ray forwards every worker's output).
+    level = os.environ.get(LOG_LEVEL_ENV, DEFAULT_LOG_LEVEL).upper() if rank == 0 else "WARNING"
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")  # no-op where Ray set a handler
+    logging.getLogger("raytrm").setLevel(level)
     tier = _node_tier()
     config = worker_config(job, tier)
     sync = ProcessGroupSync(devices.pick_device(config.training.device))
