@@ -308,7 +308,7 @@ def run(
     if "pair" in parts:
         rows += bench_pair(small_trm(data_dir, batch), slowdown, steps=6, repeats=repeats)
     if "ray" in parts:
-        rows += bench_ray(small_trm(data_dir, batch, steps=20), work_dir, repeats)
+        rows += bench_ray(small_trm(data_dir, batch, steps=40), work_dir, repeats)
     if "sync" in parts:
         reference = Trainer(reference_experiment("mlp_t", 512, 8, 2, device, data_dir, "auto"))
         rate = 8 / median_seconds(reference.train_step, reference.device, warmup=1, repeats=3)
