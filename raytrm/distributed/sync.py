@@ -80,7 +80,8 @@ class ProcessGroupSync:
         self.comm_device = devices.collective_device(device)
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]] | None = None
-        self.bytes_per_step = 0
+        # Gradients are copied off the device (MPS) for gloo: those copies must land before the collective reads them.
+        self._staged = self.comm_device != device
 
     # -- gradients ---------------------------------------------------------------------------------------------------
 
@@ -99,7 +100,6 @@ class ProcessGroupSync:
         for bucket in buckets:
             flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=self.comm_device)
             plan.append((bucket, flat))
-        self.bytes_per_step = sum(flat.numel() * flat.element_size() for _, flat in plan)
         return plan
 
     def all_reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> float:
@@ -121,7 +121,8 @@ class ProcessGroupSync:
                 else:
                     view.copy_(p.grad.reshape(-1), non_blocking=True)
                 offset += p.numel()
-            devices.synchronize(self.device)  # staged copies from an MPS device must land before gloo reads them
+            if self._staged:
+                devices.synchronize(self.device)
             pending.append(self.dist.all_reduce(flat, group=self.group, async_op=True))
         for work, (bucket, flat) in zip(pending, self._buckets, strict=True):
             work.wait()

@@ -3,17 +3,15 @@ same worker count and continues the same samples on another, and a slow worker g
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
+from raytrm.bench.distributed import slow_down
 from raytrm.distributed.launch import spawn
 from raytrm.distributed.sync import ProcessGroupSync
 from raytrm.train import checkpoint as ckpt
 from raytrm.train.metrics import read_metrics
 from raytrm.train.run import run_training
-from raytrm.train.tasks import TRMTask
 
 pytestmark = pytest.mark.slow  # worker processes: tens of seconds per file
 
@@ -21,15 +19,7 @@ pytestmark = pytest.mark.slow  # worker processes: tens of seconds per file
 def run_worker(rank, world_size, device, config, run_dir, resume=False, shares=None, balance=False, slow=None):
     """One worker of a distributed run_training; `slow` = (rank, factor) makes that rank's compute factor x slower."""
     if slow is not None and slow[0] == rank:
-        real = TRMTask.micro_step
-
-        def micro_step(self, *args):
-            start = time.perf_counter()
-            out = real(self, *args)
-            time.sleep((slow[1] - 1) * (time.perf_counter() - start))
-            return out
-
-        TRMTask.micro_step = micro_step
+        slow_down(slow[1])
     summary = run_training(
         config, run_dir, resume=resume, sync=ProcessGroupSync(device), shares=shares, balance=balance
     )
