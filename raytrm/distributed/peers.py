@@ -1,4 +1,4 @@
-"""What a training loop exchanges with its fellow workers after each step: step times, shares, per-worker rows.
+"""What a training loop exchanges with its fellow workers after each step: step times, memory caps, per-worker rows.
 
 Every rank gathers the same measurements and runs the same deterministic balancer on them, so all ranks reach the
 same shares at the same global-batch boundary without a coordinator. Alone (one worker) nothing is exchanged.
@@ -29,18 +29,21 @@ class Peers:
             else None
         )
         self.rows: list[dict[str, Any]] = []
+        self._warned = False  # caps that cannot hold the global batch are said once
 
     def stop(self, mine: bool) -> bool:
         """Whether any worker wants to stop (a time budget is read on each worker's own clock)."""
         return mine if self.alone else self.sync.any(mine)
 
-    def after_step(self, result: StepResult) -> list[dict[str, Any]]:
-        """Gather every worker's times, rebalance the shares if that pays; returns the events to log."""
+    def after_step(self, result: StepResult, cap: int | None = None) -> list[dict[str, Any]]:
+        """Gather every worker's times and memory cap, rebalance the shares if that pays or a worker holds more than
+        its cap; returns the events to log. cap: the most samples this worker's memory model lets it hold."""
         if self.alone:
             return []
         trainer = self.trainer
         shares = list(trainer.shares)
-        gathered = self.sync.gather_floats([result.compute_seconds, result.sync_seconds, trainer.micro_batch])
+        mine = [result.compute_seconds, result.sync_seconds, trainer.micro_batch, -1 if cap is None else cap]
+        gathered = self.sync.gather_floats(mine)
         self.rows = [
             {
                 "rank": rank,
@@ -49,11 +52,18 @@ class Peers:
                 "compute_s": compute,
                 "sync_s": sync_s,
                 "micro_batch": int(micro),
+                "share_cap": int(limit) if limit >= 1 else None,
             }
-            for rank, (share, (compute, sync_s, micro)) in enumerate(zip(shares, gathered, strict=True))
+            for rank, (share, (compute, sync_s, micro, limit)) in enumerate(zip(shares, gathered, strict=True))
         ]
         if self.balancer is None:
             return []
+        dropped = self.balancer.set_caps([row["share_cap"] for row in self.rows])
+        if dropped and self.rank0 and not self._warned:
+            logger.warning(
+                "step %d: memory caps ignored, the global batch must be held anyway: %s", trainer.step, dropped
+            )
+            self._warned = True
         self.balancer.observe(trainer.step, [row["compute_s"] for row in self.rows])
         decision = self.balancer.decide(trainer.step)
         if decision is None:

@@ -129,8 +129,8 @@ class Rebalance:
     step: int
     shares_from: list[int]
     shares_to: list[int]
-    predicted_s_from: float
-    predicted_s_to: float
+    predicted_s_from: float | None  # None: moved by memory before any step time was fitted
+    predicted_s_to: float | None
     reason: str
 
     def to_event(self) -> dict:
@@ -161,6 +161,12 @@ def _reason(models: Sequence[LinearTime], shares: Sequence[int], now: float, the
     else:  # as fast per sample as any: too many samples for its fixed cost
         why = f"worker {slow} finishes last with {shares[slow]} samples and {models[slow].fixed_s:.3f} s of fixed cost"
     return f"{why}; predicted step {now:.3f} s -> {then:.3f} s"
+
+
+def _over_caps(over: Sequence[int], shares: Sequence[int], caps: Sequence[int | None]) -> str:
+    """The reason for a move forced by memory: which workers hold more samples than their budgets allow."""
+    held = ", ".join(f"worker {i} holds {shares[i]} samples, its memory allows {caps[i]}" for i in over)
+    return f"{held}: memory, not speed, moves these samples"
 
 
 class ShareBalancer:
@@ -206,16 +212,41 @@ class ShareBalancer:
             points.append((b, float(t)))
             del points[: -self.window]
 
+    def set_caps(self, caps: Sequence[int | None] | None) -> str | None:
+        """Each worker's most samples from now on (its memory model's); None for no cap. Caps that together cannot
+        hold the global batch are dropped (the workers must take it anyway): returns why, else None."""
+        if caps is not None and all(c is None for c in caps):
+            caps = None
+        try:
+            _limits(self.global_batch, self.world_size, caps)
+        except ValueError as error:
+            self.caps = None
+            return str(error)
+        self.caps = list(caps) if caps is not None else None
+        return None
+
     def decide(self, step: int) -> Rebalance | None:
-        """Adopt new shares when the fitted lines predict a step at least min_gain faster; else None."""
-        if step % self.interval or any(len(p) < 2 for p in self._points):
-            return None
-        models = [fit_time(p) for p in self._points]
-        proposal = balanced(self.global_batch, models, self.caps)
-        now, then = (max(map(LinearTime.predict, models, shares)) for shares in (self.shares, proposal))
-        if proposal == self.shares or then > now * (1 - self.min_gain):
-            return None
-        event = Rebalance(step, list(self.shares), proposal, now, then, _reason(models, self.shares, now, then))
+        """Adopt new shares when the fitted lines predict a step at least min_gain faster, or at once when a worker
+        holds more samples than its cap; else None."""
+        caps = self.caps or [None] * self.world_size
+        over = [i for i, (b, c) in enumerate(zip(self.shares, caps, strict=True)) if c is not None and b > c]
+        memory = _over_caps(over, self.shares, caps) if over else None
+        if any(len(p) < 2 for p in self._points):  # no lines yet: only memory can move samples
+            if memory is None:
+                return None
+            proposal = split(self.global_batch, [1.0] * self.world_size, self.caps)
+            event = Rebalance(step, list(self.shares), proposal, None, None, memory)
+        else:
+            if step % self.interval and memory is None:
+                return None
+            models = [fit_time(p) for p in self._points]
+            proposal = balanced(self.global_batch, models, self.caps)
+            now, then = (max(map(LinearTime.predict, models, shares)) for shares in (self.shares, proposal))
+            if proposal == self.shares or (memory is None and then > now * (1 - self.min_gain)):
+                return None
+            event = Rebalance(
+                step, list(self.shares), proposal, now, then, memory or _reason(models, self.shares, now, then)
+            )
         self.events.append(event)
         self.shares = proposal
         return event

@@ -9,6 +9,7 @@ pressure, out-of-memory errors), so tests script them.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from raytrm.train.memory import MemoryFit, fit
@@ -112,6 +113,21 @@ class MemoryGovernor:
         else:
             self._calm_steps = 0
         return self._current
+
+    def share_cap(self, share: int, slot_bytes: float) -> int | None:
+        """The most samples of each global batch this worker can hold under its budget, or None (no fit yet, or
+        held samples cost nothing).
+
+        A held sample costs slot_bytes for the whole step (TRM's carry slot, its inputs), a micro-batch sample only
+        while its micro-batch runs. So the share may grow until the held samples and a micro-batch of one fill the
+        budget less the margin; the governor then cuts smaller micro-batches, and the balancer sees them as time.
+        """
+        if self.fit is None or not self._points or slot_bytes <= 0:
+            return None
+        micro, peak = self._points[-1]  # the last step held today's share
+        held = peak - self.fit.per_sample_bytes * (micro - 1)
+        room = (1 - self.settings.margin) * self.budget_bytes - held
+        return max(1, share + math.floor(room / slot_bytes))
 
     def on_out_of_memory(self, step: int) -> int:
         """An allocator refused a step (CUDA, MPS): halve the micro-batch for the redo of the same samples."""

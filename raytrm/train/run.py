@@ -196,7 +196,8 @@ def _loop(
             trainer.set_micro_batch(micro)
             if guard is not None:
                 guard.reset_baseline()
-        for event in peers.after_step(result):
+        cap = governor.share_cap(trainer.local_batch, trainer.slot_bytes()) if governor is not None else None
+        for event in peers.after_step(result, cap):
             write(event)
         train_seconds += result.seconds
         window_seconds += result.seconds

@@ -112,6 +112,7 @@ class Trainer:
         self.samples_seen_this_run = 0
         self.current_lr = lr_at(0, train, train.steps)
         self._batches = None
+        self._sample_bytes = 0  # input bytes of one sample, known from the first step
         self.resources = ResourceSampler()
 
     @property
@@ -123,6 +124,14 @@ class Trainer:
     def local_batch(self) -> int:
         """This worker's share of the global batch (the whole batch alone)."""
         return self.shard.stop - self.shard.start
+
+    def slot_bytes(self) -> int:
+        """Bytes each sample of this worker's share holds for a whole step: its inputs and TRM's carry slot."""
+        held = self._sample_bytes
+        state = self.task.carry_state()
+        if state is not None:
+            held += sum(t[0].numel() * t.element_size() for t in state.values() if t.dim() > 0)
+        return held
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         train = self.config.training
@@ -175,6 +184,7 @@ class Trainer:
         """
         batch = self._next_global_batch() if batch is None else batch
         batch = {k: v[self.shard].to(self.device, non_blocking=True) for k, v in batch.items()}
+        self._sample_bytes = sum(v[0].numel() * v.element_size() for v in batch.values() if v.dim() > 0)
         start = time.perf_counter()
         step = self.task.begin_step(batch, self.global_batch, self.shard)
         # Only allocators that raise need a copy to redo from; on the CPU nothing raises, so nothing is copied.

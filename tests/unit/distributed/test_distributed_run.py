@@ -45,8 +45,9 @@ def assert_states(a, b, atol, carry_atol):
 
 
 def test_rank0_writes_the_run_with_per_worker_rows(tiny, tmp_path):
-    summary = spawn(run_worker, 2, tiny(training={"steps": 3}), tmp_path / "run", False, [12, 20])[0]
-    assert (summary["workers"], summary["shares"], summary["steps"]) == (2, [12, 20], 3)
+    config = tiny(training={"steps": 4, "memory_budget_mb": 8192})
+    summary = spawn(run_worker, 2, config, tmp_path / "run", False, [12, 20])[0]
+    assert (summary["workers"], summary["shares"], summary["steps"]) == (2, [12, 20], 4)
     assert sorted(p.name for p in tmp_path.joinpath("run").iterdir()) == [
         "checkpoints",
         "config.yaml",
@@ -54,10 +55,13 @@ def test_rank0_writes_the_run_with_per_worker_rows(tiny, tmp_path):
         "summary.json",
     ]
     lines = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "workers" in r]
-    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
     for record in lines:
         assert [w["share"] for w in record["workers"]] == [12, 20]
         assert all(w["sync_s"] > 0 and w["samples_per_sec"] > 0 for w in record["workers"])
+        # Each worker's memory governor caps its share once it has fitted its memory (after 3 probe steps).
+        caps = [w["share_cap"] for w in record["workers"]]
+        assert caps == [None, None] if record["step"] < 3 else all(c > b for c, b in zip(caps, [12, 20], strict=True))
 
 
 def test_resume_is_exact_on_the_same_workers_and_continues_on_others(tiny, tmp_path):

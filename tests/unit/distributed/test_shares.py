@@ -214,6 +214,38 @@ def test_balancer_interval_and_window():
     assert [len(p) for p in balancer.state_dict()["points"]] == [3, 3]
 
 
+def test_a_worker_over_its_memory_cap_sheds_samples_before_any_step_time():
+    balancer = ShareBalancer(90, 2)
+    assert balancer.set_caps([None, 30]) is None
+    event = balancer.decide(0)
+    assert event is not None and balancer.shares == [60, 30]
+    assert (event.predicted_s_from, event.predicted_s_to) == (None, None)
+    assert event.reason == "worker 1 holds 45 samples, its memory allows 30: memory, not speed, moves these samples"
+
+
+def test_memory_caps_bound_the_balanced_shares_even_at_a_loss():
+    lines = [LinearTime(0.0, 0.01), LinearTime(0.0, 0.02)]  # worker 0 is twice as fast: 60/30 unbounded
+    balancer = ShareBalancer(90, 2)
+    balancer.set_caps([50, None])
+    run(balancer, lambda step: lines, range(1, 10))
+    assert balancer.shares == [50, 40]
+    # Equal speeds leave no gain to chase; a cap that falls below a share moves samples anyway.
+    equal = ShareBalancer(90, 2)
+    run(equal, lambda step: [LinearTime(0.0, 0.01)] * 2, range(1, 5))
+    assert equal.shares == [45, 45]
+    equal.set_caps([40, None])
+    event = equal.decide(5)
+    assert event is not None and event.shares_to == [40, 50] and event.predicted_s_to > event.predicted_s_from
+    assert "worker 0 holds 45 samples, its memory allows 40" in event.reason
+
+
+def test_caps_that_cannot_hold_the_global_batch_are_dropped():
+    balancer = ShareBalancer(90, 2)
+    assert "cannot hold 90 samples" in balancer.set_caps([40, 40])
+    assert balancer.caps is None
+    assert balancer.set_caps([None, None]) is None and balancer.caps is None
+
+
 def test_balancer_rejects_bad_settings():
     with pytest.raises(ValueError, match=r"shares \[40, 40\] must be 2 numbers >= 1 summing to 90"):
         ShareBalancer(90, 2, shares=[40, 40])

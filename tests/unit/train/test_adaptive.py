@@ -28,6 +28,20 @@ def test_governor_probes_then_chooses_under_the_budget():
     assert gov.events[0]["event"] == "choose"
 
 
+def test_share_cap_is_the_share_whose_held_samples_fit_beside_a_micro_batch_of_one():
+    gov = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256)
+    assert gov.share_cap(200, MiB) is None  # nothing measured yet
+    for step in range(1, 5):
+        gov.after_step(step, int((400 + 5 * gov.micro_batch) * MiB))
+    assert gov.micro_batch == 100
+    # The last peak, 900 MiB at micro-batch 100, holds 405 MiB at micro-batch 1: 495 MiB more fit under 900.
+    assert gov.share_cap(200, MiB) == 695
+    assert gov.share_cap(200, 10 * MiB) == 249
+    assert gov.share_cap(200, 0) is None  # held samples that cost nothing cap nothing
+    gov.after_step(5, 940 * MiB)  # the process holds 40 MiB more at the same micro-batch: 40 samples fewer
+    assert gov.micro_batch == 100 and gov.share_cap(200, MiB) == 655
+
+
 def test_governor_shrinks_on_a_high_peak_or_pressure_and_grows_back():
     settings = GovernorSettings(grow_after=3)
     gov = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256, settings=settings)
