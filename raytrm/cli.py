@@ -228,6 +228,30 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from raytrm.distributed import cluster_commands as cluster
+
+    if args.action == "head":
+        done = cluster.head(
+            args.node_ip, args.port, args.tier, args.token_file, args.dashboard_host, args.object_store_mb
+        )
+        ip, token = done["address"].rpartition(":")[0], done["token_file"]
+        print(f"head of tier {done['tier']} at {done['address']} (memory budget {done['memory_budget_mb']} MiB)")
+        print(f"token: {token} (mode 0600{', new' if done['token_created'] else ''}); on each other Mac:")
+        print(f"  scp {ip}:.ray/auth_token ~/.ray/auth_token && chmod 600 ~/.ray/auth_token")
+        print(f"  raytrm cluster join {done['address']}")
+        submit = f"RAY_AUTH_MODE=token ray job submit --address {done['dashboard']} --working-dir ."
+        print(f"jobs, submitted here: {submit} -- raytrm tune")
+    elif args.action == "join":
+        done = cluster.join(args.head, args.node_ip, args.tier, args.token_file, args.object_store_mb)
+        print(f"joined {done['head']} as a node of tier {done['tier']} at {done['address']}")
+    elif args.action == "status":
+        print(cluster.format_status(cluster.status(args.address, args.token_file)))
+    else:
+        print(cluster.stop())
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import tempfile
     import time
@@ -380,6 +404,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE", help="file to write")
     p.add_argument("--raw-weights", action="store_true", help="export the raw weights instead of the EMA")
     p.set_defaults(func=cmd_export_checkpoint)
+
+    p = sub.add_parser("cluster", help="make this Mac a node of a raytrm cluster: head, join, status, stop")
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    for name, text in (
+        ("head", "start the cluster here: Ray's head with this Mac's tier, its LAN address and a token (0600)"),
+        ("join", "join a head with its token, as a node of this Mac's tier"),
+    ):
+        a = actions.add_parser(name, help=text)
+        if name == "join":
+            a.add_argument("head", metavar="HEAD[:PORT]", help="the head's address, as `raytrm cluster head` printed")
+        else:
+            a.add_argument("--port", type=int, default=6379, help="the head's port (default 6379)")
+            a.add_argument(
+                "--dashboard-host",
+                default="127.0.0.1",
+                help="where the dashboard (and job submission) listens: localhost unless you need it on the LAN",
+            )
+        a.add_argument("--node-ip", metavar="IP", help="this Mac's address (default: the LAN interface's)")
+        a.add_argument("--tier", help="advertise this tier of tiers.yaml instead of the probed one")
+        a.add_argument("--token-file", metavar="FILE", help="the cluster token (default: ~/.ray/auth_token)")
+        a.add_argument("--object-store-mb", type=int, help="Ray's object store (default: 5%% of memory, 512-2048)")
+    a = actions.add_parser("status", help="the cluster's nodes, tiers, memory budgets and jobs")
+    a.add_argument("--address", help="HEAD:PORT (default: the cluster this Mac is a node of)")
+    a.add_argument("--token-file", metavar="FILE", help="the cluster token (default: ~/.ray/auth_token)")
+    actions.add_parser("stop", help="stop this Mac's node")
+    p.set_defaults(func=cmd_cluster)
 
     p = sub.add_parser("bench", help="measure training throughput against this machine's matmul ceiling")
     p.add_argument(

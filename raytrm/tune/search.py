@@ -44,6 +44,7 @@ KEPT = (
     "experiment",
     "hardware",
     "node_id",
+    "node_address",
     "started_at",
     "ended_at",
 )

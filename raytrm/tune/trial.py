@@ -248,7 +248,7 @@ def run_trial(
         "params": params,
         "experiment": experiment,
         "hardware": limits["hardware"],
-        "node_id": _node_id(),
+        **_node(),
     }
     result = measure(
         experiment,
@@ -262,13 +262,16 @@ def run_trial(
     return result
 
 
-def _node_id() -> str | None:
+def _node() -> dict[str, str | None]:
+    """The Ray node the trial runs on (its id, and the address that says which Mac), or Nones outside Ray."""
     try:
         import ray
 
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        if ray.is_initialized():
+            return {"node_id": ray.get_runtime_context().get_node_id(), "node_address": ray.util.get_node_ip_address()}
     except Exception:  # outside Ray (tests, the bench) there is no node
-        return None
+        pass
+    return {"node_id": None, "node_address": None}
 
 
 def tune_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:

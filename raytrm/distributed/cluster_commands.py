@@ -1,0 +1,204 @@
+"""`raytrm cluster head | join | status | stop`: one command per Mac makes a cluster that raytrm understands.
+
+Each prints what it did and what to do next; every failure (no token, an unreachable head, versions that differ,
+a token the head refuses) is one line and exit code 2, and a node that cannot join properly is stopped again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from raytrm.distributed import node as nodes
+from raytrm.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+def _token_path(explicit: str | None) -> Path:
+    return Path(explicit).expanduser().resolve() if explicit else nodes.default_token_path()
+
+
+def head(
+    node_ip: str | None = None,
+    port: int = nodes.DEFAULT_PORT,
+    tier: str | None = None,
+    token_file: str | None = None,
+    dashboard_host: str = "127.0.0.1",
+    object_store_mb: int | None = None,
+) -> dict[str, Any]:
+    """Start this Mac as the cluster's head; returns what was started (also printed by the CLI)."""
+    spec = nodes.this_node(node_ip, tier)
+    token = _token_path(token_file)
+    created = nodes.ensure_token(token)
+    argv = nodes.start_command(spec, None, port, dashboard_host, object_store_mb)
+    nodes.run_ray(argv, nodes.ray_environment(token), "ray start --head")
+    return {
+        "role": "head",
+        "address": f"{spec.node_ip}:{port}",
+        "tier": spec.tier,
+        "memory_budget_mb": spec.memory_budget_mb,
+        "token_file": str(token),
+        "token_created": created,
+        "dashboard": f"http://{dashboard_host}:{nodes.DASHBOARD_PORT}",
+    }
+
+
+def _reachable(host: str, port: int) -> None:
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as e:
+        raise UserError(
+            f"cannot reach the head at {host}:{port} ({e.strerror or e}); start it with `raytrm cluster head` "
+            "and allow Python through the head's firewall"
+        ) from None
+
+
+def join(
+    address: str,
+    node_ip: str | None = None,
+    tier: str | None = None,
+    token_file: str | None = None,
+    object_store_mb: int | None = None,
+) -> dict[str, Any]:
+    """Join the head at HEAD[:PORT] with its token; stopped again if its versions differ from the head's."""
+    host, port = nodes.split_address(address)
+    token = _token_path(token_file)
+    nodes.read_token(token, head=host)
+    _reachable(host, port)
+    spec = nodes.this_node(node_ip, tier)
+    env = nodes.ray_environment(token)
+    nodes.run_ray(nodes.start_command(spec, f"{host}:{port}", object_store_mb=object_store_mb), env, "ray start")
+    try:
+        head_labels = _head_labels(f"{host}:{port}", env)
+    except Exception:
+        stop()
+        raise
+    problem = nodes.version_mismatch(spec.labels(), head_labels)
+    if problem:
+        stop()
+        raise UserError(problem)
+    return {"role": "worker", "head": f"{host}:{port}", "address": spec.node_ip, "tier": spec.tier}
+
+
+def _head_labels(address: str, env: dict[str, str]) -> dict[str, str]:
+    """The labels of the head node, read through a short driver connection."""
+    os.environ.update(env)  # before Ray is imported: it reads its auth mode once, at import
+    import ray
+
+    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    try:
+        for info in ray.nodes():
+            if info.get("Alive") and info.get("NodeManagerAddress") == address.rpartition(":")[0]:
+                return dict(info.get("Labels", {}))
+        raise UserError(f"{address}: the head node is not in its own cluster's node list; restart the head")
+    finally:
+        ray.shutdown()
+
+
+def stop() -> str:
+    """Stop this Mac's Ray node (its raylet, and the head's services on the head)."""
+    argv = [sys.executable, "-m", "ray.scripts.scripts", "stop"]
+    out = nodes.run_ray(argv, {}, "ray stop")
+    return "stopped this Mac's Ray node" if "Stopped" in out or "stopped" in out else "no Ray node was running here"
+
+
+def connect_here(address: str | None, token_file: str | None = None) -> None:
+    """Connect this process to the cluster as a driver, with the token (status, jobs)."""
+    token = _token_path(token_file)
+    if token.is_file():
+        os.environ.update(nodes.ray_environment(token))  # before Ray is imported: it reads its auth mode at import
+    import ray
+
+    try:
+        ray.init(address=address or "auto", logging_level=logging.ERROR, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = address or "this Mac"
+        raise UserError(
+            f"no raytrm cluster at {where}: {str(e).splitlines()[0]}; start one with `raytrm cluster head`"
+        ) from None
+
+
+def status(address: str | None = None, token_file: str | None = None) -> dict[str, Any]:
+    """The cluster's nodes (address, tier, CPUs, memory, budget, whether its raytrm machine is busy) and its jobs."""
+    connect_here(address, token_file)
+    import ray
+
+    try:
+        free = _available_per_node()
+        rows = []
+        for info in sorted(ray.nodes(), key=lambda n: (not n.get("Alive"), n.get("NodeManagerAddress", ""))):
+            labels, res = info.get("Labels", {}), info.get("Resources", {})
+            node_free = free.get(info["NodeID"], {})
+            rows.append(
+                {
+                    "address": info.get("NodeManagerAddress"),
+                    "alive": bool(info.get("Alive")),
+                    "head": bool(res.get("node:__internal_head__")),
+                    "tier": labels.get(f"{nodes.LABEL_PREFIX}tier"),
+                    "cpus": res.get("CPU", 0),
+                    "memory_gb": res.get("memory", 0) / 2**30,
+                    "budget_mb": int(labels[f"{nodes.LABEL_PREFIX}budget-mb"])
+                    if f"{nodes.LABEL_PREFIX}budget-mb" in labels
+                    else None,
+                    "busy": bool(res.get(nodes.RESOURCE_MACHINE)) and not node_free.get(nodes.RESOURCE_MACHINE),
+                    "versions": {k: labels.get(f"{nodes.LABEL_PREFIX}{k}") for k in nodes.VERSION_KEYS},
+                }
+            )
+        return {"nodes": rows, "jobs": _jobs()}
+    finally:
+        ray.shutdown()
+
+
+def _available_per_node() -> dict[str, dict[str, float]]:
+    try:
+        from ray._private.state import available_resources_per_node  # Ray's DeveloperAPI: no public equivalent
+
+        return available_resources_per_node()
+    except Exception as e:  # an older or newer Ray without it: the busy column reads as free
+        logger.debug("per-node resources unavailable: %s", e)
+        return {}
+
+
+def _jobs() -> list[dict[str, Any]] | None:
+    """Jobs submitted to this cluster (newest first), or None where the dashboard is not reachable from here."""
+    try:
+        from ray.job_submission import JobSubmissionClient
+
+        client = JobSubmissionClient(f"http://127.0.0.1:{nodes.DASHBOARD_PORT}")
+        jobs = client.list_jobs()
+    except Exception as e:  # the dashboard listens on the head's localhost only, unless asked
+        logger.debug("jobs unavailable here: %s", e)
+        return None
+    submitted = [j for j in jobs if j.submission_id]  # the rest are drivers (this status command among them)
+    return [
+        {"id": j.submission_id, "status": str(j.status.value if j.status else ""), "entrypoint": j.entrypoint}
+        for j in sorted(submitted, key=lambda j: j.start_time or 0, reverse=True)
+    ]
+
+
+def format_status(report: dict[str, Any]) -> str:
+    """The status as a table a person reads, then the jobs."""
+    lines = [f"{'node':<16} {'tier':<22} {'role':<6} {'CPUs':>4} {'memory':>9} {'budget':>11}  raytrm machine"]
+    for n in report["nodes"]:
+        state = "lost" if not n["alive"] else ("busy" if n["busy"] else "free")
+        budget = f"{n['budget_mb']} MiB" if n["budget_mb"] else "-"
+        lines.append(
+            f"{n['address']:<16} {n['tier'] or '(not raytrm)':<22} {'head' if n['head'] else 'worker':<6} "
+            f"{n['cpus']:>4.0f} {n['memory_gb']:>6.1f} GiB {budget:>11}  {state}"
+        )
+    versions = {tuple(sorted(n["versions"].items())) for n in report["nodes"] if n["alive"] and n["tier"]}
+    if len(versions) == 1:
+        lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in next(iter(versions))) + " (every node)")
+    jobs = report["jobs"]
+    if jobs is None:
+        lines.append("jobs: run `raytrm cluster status` on the head to see them (its dashboard listens there only)")
+    elif not jobs:
+        lines.append("jobs: none submitted")
+    else:
+        lines += [f"job {j['id']}  {j['status']:<9} {j['entrypoint']}" for j in jobs]
+    return "\n".join(lines)

@@ -1,0 +1,231 @@
+"""This machine as a node of a raytrm cluster: `ray start` with its tier, its LAN address and token authentication.
+
+`raytrm cluster head` and `raytrm cluster join` build one `ray start` command each: the node advertises one
+`raytrm_machine` unit and its `raytrm_tier:<tier>` resource (what trials and training workers are placed by), and
+labels with its tier, memory budget and versions (what `status` shows and `join` checks). Token authentication is
+always on: the head's token file is created 0600, and a node without the same token is refused by Ray itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from raytrm.constants import RESOURCE_MACHINE, tier_resource
+from raytrm.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 6379
+DASHBOARD_PORT = 8265
+# Ray's own environment knobs that a raytrm node sets for `ray start` (declared by Ray, named here once).
+RAY_AUTH_MODE_ENV, RAY_TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"
+RAY_MAC_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+#: Node label keys (Kubernetes syntax, as Ray requires): the tier, the memory budget and the versions `join` checks.
+LABEL_PREFIX = "raytrm/"
+VERSION_KEYS = ("python", "ray", "torch", "raytrm")
+# Ray caps a Mac's object store at 2 GiB; raytrm moves checkpoints and results through it, never datasets, so a
+# small store leaves the memory to the training budget.
+OBJECT_STORE_MIN, OBJECT_STORE_MAX, OBJECT_STORE_FRACTION = 512 * 2**20, 2 * 2**30, 0.05
+
+
+def default_token_path() -> Path:
+    """Where Ray (drivers, `ray job submit`) looks for the token without being told: ~/.ray/auth_token."""
+    return Path.home() / ".ray" / "auth_token"
+
+
+def ensure_token(path: Path) -> bool:
+    """The head's token at path, created (a random 256-bit hex string, mode 0600) if missing; True if created.
+
+    An existing token is kept (nodes that joined with it keep working) and tightened to 0600 if others can read it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            path.chmod(0o600)
+            logger.info("token %s was readable by others (mode %o): now 0600", path, mode)
+        read_token(path)
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return True
+
+
+def read_token(path: Path, head: str | None = None) -> str:
+    """The token in path; a missing or empty file is one line saying how to bring the head's token over."""
+    try:
+        token = path.read_text().strip()
+    except OSError:
+        token = ""
+    if not token:
+        raise UserError(
+            f"no cluster token at {path}: copy the head's ~/.ray/auth_token here "
+            f"(`scp {head or 'HEAD'}:.ray/auth_token {path} && chmod 600 {path}`), or pass --token-file"
+        )
+    return token
+
+
+def lan_address(explicit: str | None = None) -> str:
+    """The IPv4 address other Macs reach this one at: --node-ip, else the interface of the default route, else the
+    first non-loopback address that is up (a Thunderbolt bridge or a LAN without a router)."""
+    if explicit:
+        try:
+            socket.inet_aton(explicit)
+        except OSError:
+            raise UserError(f"--node-ip {explicit}: not an IPv4 address; give this Mac's LAN address") from None
+        return explicit
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # a UDP "connect" sends nothing; it only picks the outgoing interface
+        return probe.getsockname()[0]
+    except OSError:
+        pass
+    finally:
+        probe.close()
+    import psutil
+
+    up = {name for name, s in psutil.net_if_stats().items() if s.isup}
+    for name, addrs in sorted(psutil.net_if_addrs().items()):
+        for addr in addrs:
+            if name in up and addr.family == socket.AF_INET and not addr.address.startswith("127."):
+                return addr.address
+    raise UserError("no network address found on this Mac: connect it to the LAN, or pass --node-ip")
+
+
+def object_store_bytes(memory_bytes: int, explicit_mb: int | None = None) -> int:
+    """The object store: --object-store-mb, else 5% of memory within [512 MiB, 2 GiB]."""
+    if explicit_mb is not None:
+        if explicit_mb < 100:
+            raise UserError(f"--object-store-mb {explicit_mb}: Ray needs at least 100 MiB; give 100 or more")
+        return explicit_mb * 2**20
+    return int(min(OBJECT_STORE_MAX, max(OBJECT_STORE_MIN, OBJECT_STORE_FRACTION * memory_bytes)))
+
+
+def _label_value(value: str) -> str:
+    """A version as a label value: Ray labels allow [A-Za-z0-9_.-] only ("2.13.0+cpu" becomes "2.13.0_cpu")."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", value)[:63].strip("_.-") or "unknown"
+
+
+@dataclass
+class NodeSpec:
+    """What one node advertises: its tier, budget, address and the versions it runs."""
+
+    tier: str
+    memory_budget_mb: int
+    node_ip: str
+    versions: dict[str, str]
+    memory_bytes: int
+
+    def labels(self) -> dict[str, str]:
+        out = {f"{LABEL_PREFIX}tier": self.tier, f"{LABEL_PREFIX}budget-mb": str(self.memory_budget_mb)}
+        out.update({f"{LABEL_PREFIX}{k}": _label_value(self.versions.get(k, "unknown")) for k in VERSION_KEYS})
+        return out
+
+    def resources(self) -> dict[str, int]:
+        return {RESOURCE_MACHINE: 1, tier_resource(self.tier): 1}
+
+
+def this_node(node_ip: str | None, tier_name: str | None = None) -> NodeSpec:
+    """This machine from `raytrm probe`: its tier (or the named one, for a Mac the tier table guesses wrong)."""
+    from raytrm.hardware.probe import detect
+    from raytrm.hardware.tiers import load_tiers, match_tier
+
+    hw = detect()
+    tiers = load_tiers()
+    if tier_name is None:
+        tier = match_tier(hw, tiers)
+        name, budget = tier.name, tier.memory_budget_mb
+    else:
+        rows = {row.name: row for row in tiers}
+        if tier_name not in rows:
+            raise UserError(f"--tier {tier_name}: not in the tier table; use one of {', '.join(sorted(rows))}")
+        name, budget = tier_name, rows[tier_name].memory_budget_mb
+    return NodeSpec(name, budget, lan_address(node_ip), hw.versions, hw.memory_bytes)
+
+
+def ray_environment(token_path: Path, platform: str = sys.platform) -> dict[str, str]:
+    """The environment `ray start` (and every driver) needs: token auth on, the token's file, macOS clustering."""
+    env = {RAY_AUTH_MODE_ENV: "token", RAY_TOKEN_PATH_ENV: str(token_path)}
+    if platform == "darwin":
+        env[RAY_MAC_CLUSTER_ENV] = "1"  # else a Mac's node listens on 127.0.0.1 only and workers cannot join
+    return env
+
+
+def start_command(
+    spec: NodeSpec,
+    head: str | None = None,
+    port: int = DEFAULT_PORT,
+    dashboard_host: str = "127.0.0.1",
+    object_store_mb: int | None = None,
+) -> list[str]:
+    """The `ray start` command line of a head (head=None) or of a node joining head (HOST:PORT)."""
+    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", f"--node-ip-address={spec.node_ip}"]
+    if head is None:
+        argv += ["--head", f"--port={port}", f"--dashboard-host={dashboard_host}", f"--dashboard-port={DASHBOARD_PORT}"]
+    else:
+        argv += [f"--address={head}"]
+    argv += [
+        f"--resources={json.dumps(spec.resources())}",
+        "--labels=" + ",".join(f"{k}={v}" for k, v in spec.labels().items()),
+        f"--object-store-memory={object_store_bytes(spec.memory_bytes, object_store_mb)}",
+        "--disable-usage-stats",
+    ]
+    return argv
+
+
+def _ray_error(output: str) -> str:
+    """The line of `ray start`'s output that says what went wrong (its last error or exception line)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.search(r"(Error|Exception|error|refused|mismatch|failed)", line):
+            return re.sub(r"^\S*(Error|Exception):\s*", "", line)[:400]
+    return lines[-1][:400] if lines else "no output"
+
+
+def run_ray(argv: list[str], env: dict[str, str], what: str, timeout_s: float = 120) -> str:
+    """Run a `ray` command with env added; its failure is one line naming what failed and Ray's reason."""
+    logger.debug("running %s", " ".join(argv))
+    try:
+        done = subprocess.run(
+            argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise UserError(
+            f"{what}: `ray` did not finish in {timeout_s:.0f} s; check the address and the firewall"
+        ) from None
+    output = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise UserError(f"{what} failed: {_ray_error(output)}")
+    return output
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """HOST[:PORT] as (host, port); the port defaults to Ray's 6379."""
+    host, sep, port = address.rpartition(":")
+    if not sep:
+        return address, DEFAULT_PORT
+    if not host or not port.isdigit():
+        raise UserError(f"{address}: expected HEAD or HEAD:PORT, e.g. 192.168.1.10 or 192.168.1.10:6379")
+    return host, int(port)
+
+
+def version_mismatch(mine: dict[str, str], head: dict[str, str]) -> str | None:
+    """One line naming every version this node and the head disagree on, or None."""
+    keys = [f"{LABEL_PREFIX}{k}" for k in VERSION_KEYS]
+    differ = [(k[len(LABEL_PREFIX) :], mine.get(k), head.get(k)) for k in keys if mine.get(k) != head.get(k)]
+    if not differ:
+        return None
+    named = "; ".join(f"{name} {own} here, {theirs} on the head" for name, own, theirs in differ)
+    return f"versions differ from the head's: {named}; install the head's versions on this Mac and join again"

@@ -1,0 +1,122 @@
+"""`raytrm cluster` on two real hosts: a head and a worker that joins with the token, a tuning job submitted with
+`ray job submit`, each tier's trials on its own host, the profiles on the head. Driven only by raytrm's commands
+(and Ray's job CLI, as the README shows)."""
+
+from __future__ import annotations
+
+import stat
+import sys
+
+import optuna
+import pytest
+import yaml
+
+from raytrm import config as cfg
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+HEAD_TIER, WORKER_TIER = "mac-desktop-16gb", "macbook-air-8gb"
+SPACE = {
+    "raytrm_space": 1,
+    "name": "two-hosts",
+    "base": {
+        "model": {"variant": "mlp_t", "hidden_size": 32, "L_layers": 1, "H_cycles": 1, "L_cycles": 1},
+        "data": {"name": "sudoku", "train_puzzles": 200, "test_puzzles": 16, "augment": 0, "givens": 40},
+        "training": {"global_batch_size": 16, "lr": 3.0e-3, "warmup_steps": 2, "threads": 1},
+    },
+    "params": {"training.micro_batch_size": {"type": "categorical", "choices": [8, 16]}},
+    "budget": {"warmup_s": 1, "measure_s": 2, "eval_puzzles": 16},
+    "limits": {"max_throughput_decay": 1.0},
+    "trials": 1,
+    "tiers": [HEAD_TIER, WORKER_TIER],
+}
+
+
+def one_line(done) -> str:
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stdout, done.stderr)
+    assert lines[0].startswith("raytrm: error: ")
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts):
+    """Head on a, then b tries to join without the token, with a wrong one, and with the head's."""
+    a, b = hosts["a"], hosts["b"]
+    steps = {"head": a.raytrm("cluster", "head", "--tier", HEAD_TIER, check=True)}
+    steps["no_token"] = b.raytrm("cluster", "join", a.ip, "--tier", WORKER_TIER)
+    token = (a.home / ".ray" / "auth_token").read_text()
+    wrong = b.root / "wrong_token"
+    wrong.write_text("0" * 64)
+    steps["wrong_token"] = b.raytrm("cluster", "join", a.ip, "--tier", WORKER_TIER, "--token-file", str(wrong))
+    steps["nodes_after_refusal"] = a.raytrm("cluster", "status", check=True)
+    (b.home / ".ray").mkdir()
+    (b.home / ".ray" / "auth_token").write_text(token)  # what `scp HEAD:.ray/auth_token ~/.ray/auth_token` does
+    steps["join"] = b.raytrm("cluster", "join", a.ip, "--tier", WORKER_TIER, check=True)
+    steps["status"] = a.raytrm("cluster", "status", check=True)
+    steps["status_from_worker"] = b.raytrm("cluster", "status", check=True)
+    yield steps
+    for host in (b, a):
+        host.raytrm("cluster", "stop")
+
+
+def test_the_head_listens_on_its_lan_address_with_a_private_token(hosts, cluster):
+    a = hosts["a"]
+    out = cluster["head"].stdout
+    assert f"head of tier {HEAD_TIER} at {a.ip}:6379" in out  # the only non-loopback address of the host
+    assert f"raytrm cluster join {a.ip}:6379" in out and "scp" in out
+    token = a.home / ".ray" / "auth_token"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) == 64
+
+
+def test_a_worker_without_the_token_is_refused(hosts, cluster):
+    assert "no cluster token at" in one_line(cluster["no_token"]) and "scp" in one_line(cluster["no_token"])
+    refused = one_line(cluster["wrong_token"])
+    assert "ray start failed" in refused, refused
+    # Ray refused it: the head still has one node.
+    assert hosts["b"].ip not in cluster["nodes_after_refusal"].stdout
+
+
+def test_the_joined_cluster_shows_both_hosts_and_their_tiers(hosts, cluster):
+    a, b = hosts["a"], hosts["b"]
+    assert f"joined {a.ip}:6379 as a node of tier {WORKER_TIER} at {b.ip}" in cluster["join"].stdout
+    rows = {line.split()[0]: line.split() for line in cluster["status"].stdout.splitlines()}
+    assert rows[a.ip][1:3] == [HEAD_TIER, "head"] and rows[b.ip][1:3] == [WORKER_TIER, "worker"]
+    assert "(every node)" in cluster["status"].stdout and "jobs: none submitted" in cluster["status"].stdout
+    assert b.ip in cluster["status_from_worker"].stdout
+
+
+def test_a_submitted_tuning_job_runs_each_tier_on_its_host_and_leaves_the_profiles_on_the_head(
+    hosts, cluster, tmp_path
+):
+    a, b = hosts["a"], hosts["b"]
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "space.yaml").write_text(yaml.safe_dump(SPACE))
+    out = a.root / "runs" / "two-hosts"
+    submit = a.run(
+        sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", "http://127.0.0.1:8265",
+        "--submission-id", "tune-two-hosts", "--working-dir", str(work), "--",
+        "raytrm", "tune", "--space", "space.yaml", "--out", str(out), "--address", "auto",
+        env={"RAY_AUTH_MODE": "token"}, timeout=600,
+    )  # fmt: skip
+    assert submit.returncode == 0 and "succeeded" in submit.stdout, submit.stdout + submit.stderr
+    for tier in (HEAD_TIER, WORKER_TIER):
+        assert cfg.load_profile(out / "profiles" / f"{tier}.yaml").tier == tier
+    storage = optuna.storages.RDBStorage(f"sqlite:///{out / 'study.db'}")
+    where = {
+        tier: {
+            t.user_attrs["node_address"]
+            for t in optuna.load_study(study_name=f"two-hosts-{tier}", storage=storage).trials
+        }
+        for tier in (HEAD_TIER, WORKER_TIER)
+    }
+    assert where == {HEAD_TIER: {a.ip}, WORKER_TIER: {b.ip}}
+    logs = a.run(
+        sys.executable, "-m", "ray.scripts.scripts", "job", "logs", "--address", "http://127.0.0.1:8265",
+        "tune-two-hosts", env={"RAY_AUTH_MODE": "token"}, check=True,
+    )  # fmt: skip
+    assert f"{WORKER_TIER}" in logs.stdout and "trial" in logs.stdout
+    exported = a.raytrm("export", str(out), "--tier", WORKER_TIER, "--out", str(tmp_path / "p.yaml"), check=True)
+    assert "wrote the profile" in exported.stdout
+    assert "SUCCEEDED" in a.raytrm("cluster", "status", check=True).stdout
