@@ -233,7 +233,13 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
     if args.action == "head":
         done = cluster.head(
-            args.node_ip, args.port, args.tier, args.token_file, args.dashboard_host, args.object_store_mb
+            args.node_ip,
+            args.port,
+            args.tier,
+            args.token_file,
+            args.dashboard_host,
+            args.object_store_mb,
+            args.autoscaling_config,
         )
         ip, token = done["address"].rpartition(":")[0], done["token_file"]
         print(f"head of tier {done['tier']} at {done['address']} (memory budget {done['memory_budget_mb']} MiB)")
@@ -242,9 +248,11 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(f"  raytrm cluster join {done['address']}")
         submit = f"RAY_AUTH_MODE=token ray job submit --address {done['dashboard']} --working-dir ."
         print(f"jobs, submitted here: {submit} -- raytrm tune")
+        return cluster.block() if args.block else 0
     elif args.action == "join":
         done = cluster.join(args.head, args.node_ip, args.tier, args.token_file, args.object_store_mb)
         print(f"joined {done['head']} as a node of tier {done['tier']} at {done['address']}")
+        return cluster.block() if args.block else 0
     elif args.action == "status":
         print(cluster.format_status(cluster.status(args.address, args.token_file)))
     else:
@@ -418,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             a.add_argument("--port", type=int, default=6379, help="the head's port (default 6379)")
             a.add_argument(
+                "--autoscaling-config", metavar="FILE", help="for `ray up`: the autoscaler file it writes on the head"
+            )
+            a.add_argument(
                 "--dashboard-host",
                 default="127.0.0.1",
                 help="where the dashboard (and job submission) listens: localhost unless you need it on the LAN",
@@ -426,6 +437,11 @@ def build_parser() -> argparse.ArgumentParser:
         a.add_argument("--tier", help="advertise this tier of tiers.yaml instead of the probed one")
         a.add_argument("--token-file", metavar="FILE", help="the cluster token (default: ~/.ray/auth_token)")
         a.add_argument("--object-store-mb", type=int, help="Ray's object store (default: 5%% of memory, 512-2048)")
+        a.add_argument(
+            "--block",
+            action="store_true",
+            help="stay in the foreground while the node runs (for launchd); SIGTERM stops the node",
+        )
     a = actions.add_parser("status", help="the cluster's nodes, tiers, memory budgets and jobs")
     a.add_argument("--address", help="HEAD:PORT (default: the cluster this Mac is a node of)")
     a.add_argument("--token-file", metavar="FILE", help="the cluster token (default: ~/.ray/auth_token)")

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +33,18 @@ def head(
     token_file: str | None = None,
     dashboard_host: str = "127.0.0.1",
     object_store_mb: int | None = None,
+    autoscaling_config: str | None = None,
 ) -> dict[str, Any]:
-    """Start this Mac as the cluster's head; returns what was started (also printed by the CLI)."""
+    """Start this Mac as the cluster's head; returns what was started (also printed by the CLI).
+
+    autoscaling_config: the file `ray up` writes on the head, whose autoscaler then starts the workers over SSH.
+    """
     spec = nodes.this_node(node_ip, tier)
     token = _token_path(token_file)
     created = nodes.ensure_token(token)
     argv = nodes.start_command(spec, None, port, dashboard_host, object_store_mb)
+    if autoscaling_config:
+        argv.append(f"--autoscaling-config={Path(autoscaling_config).expanduser()}")
     nodes.run_ray(argv, nodes.ray_environment(token), "ray start --head")
     return {
         "role": "head",
@@ -105,6 +114,30 @@ def stop() -> str:
     argv = [sys.executable, "-m", "ray.scripts.scripts", "stop"]
     out = nodes.run_ray(argv, {}, "ray stop")
     return "stopped this Mac's Ray node" if "Stopped" in out or "stopped" in out else "no Ray node was running here"
+
+
+def _raylet_running() -> bool:
+    import psutil
+
+    return any(p.info["name"] == "raylet" for p in psutil.process_iter(["name"]))
+
+
+def block(poll_s: float = 5.0, running: Callable[[], bool] = _raylet_running) -> int:
+    """Stay in the foreground while this Mac's node runs, so launchd can keep it alive: returns 1 when the node
+    has stopped (launchd starts the command again); SIGTERM (launchctl bootout, Ctrl-C) stops the node first."""
+
+    def on_term(signum: int, frame: object) -> None:
+        stop()
+        raise SystemExit(0)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        while running():
+            time.sleep(poll_s)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    logger.warning("this Mac's Ray node has stopped")
+    return 1
 
 
 def connect_here(address: str | None, token_file: str | None = None) -> None:

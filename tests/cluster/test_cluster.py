@@ -32,6 +32,16 @@ SPACE = {
 }
 
 
+# The HTTP status of a GET, with no credentials.
+GET_STATUS = """
+import sys, urllib.error, urllib.request
+try:
+    print(urllib.request.urlopen(sys.argv[1], timeout=10).status)
+except urllib.error.HTTPError as e:
+    print(e.code)
+"""
+
+
 def one_line(done) -> str:
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stdout, done.stderr)
@@ -43,7 +53,8 @@ def one_line(done) -> str:
 def cluster(hosts):
     """Head on a, then b tries to join without the token, with a wrong one, and with the head's."""
     a, b = hosts["a"], hosts["b"]
-    steps = {"head": a.raytrm("cluster", "head", "--tier", HEAD_TIER, check=True)}
+    # The dashboard (job submission) on the LAN, so the worker can submit too; it still wants the token.
+    steps = {"head": a.raytrm("cluster", "head", "--tier", HEAD_TIER, "--dashboard-host", "0.0.0.0", check=True)}
     steps["no_token"] = b.raytrm("cluster", "join", a.ip, "--tier", WORKER_TIER)
     token = (a.home / ".ray" / "auth_token").read_text()
     wrong = b.root / "wrong_token"
@@ -86,7 +97,7 @@ def test_the_joined_cluster_shows_both_hosts_and_their_tiers(hosts, cluster):
     assert b.ip in cluster["status_from_worker"].stdout
 
 
-def test_a_submitted_tuning_job_runs_each_tier_on_its_host_and_leaves_the_profiles_on_the_head(
+def test_a_job_submitted_from_the_worker_runs_each_tier_on_its_host_and_leaves_the_profiles_on_the_head(
     hosts, cluster, tmp_path
 ):
     a, b = hosts["a"], hosts["b"]
@@ -94,8 +105,11 @@ def test_a_submitted_tuning_job_runs_each_tier_on_its_host_and_leaves_the_profil
     work.mkdir()
     (work / "space.yaml").write_text(yaml.safe_dump(SPACE))
     out = a.root / "runs" / "two-hosts"
-    submit = a.run(
-        sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", "http://127.0.0.1:8265",
+    dashboard = f"http://{a.ip}:8265"
+    unauthenticated = b.run(sys.executable, "-c", GET_STATUS, f"{dashboard}/api/jobs/")
+    assert unauthenticated.stdout.strip() == "401", unauthenticated  # nobody without the token submits or looks
+    submit = b.run(  # from the worker Mac, with the token it joined with
+        sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", dashboard,
         "--submission-id", "tune-two-hosts", "--working-dir", str(work), "--",
         "raytrm", "tune", "--space", "space.yaml", "--out", str(out), "--address", "auto",
         env={"RAY_AUTH_MODE": "token"}, timeout=600,
