@@ -31,7 +31,14 @@ def _check_reachable(address: str) -> None:
 
 
 def connect(address: str | None) -> bool:
-    """Connect to Ray: the running one (tests), a cluster at address, or a local one started here. True if owned."""
+    """Connect to Ray: the running one (tests), a cluster at address, or a local one started here. True if owned.
+
+    A cluster made by `raytrm cluster` wants its token: with one on this Mac, token authentication is turned on.
+    """
+    if address:
+        from raytrm.distributed.node import use_cluster_token
+
+        use_cluster_token()  # before Ray is imported, which reads its auth mode once
     import ray
 
     if address and address != "auto":
@@ -57,8 +64,8 @@ def connect(address: str | None) -> bool:
     return True
 
 
-def cluster_tiers() -> dict[str, int]:
-    """Tier name -> number of alive machines advertising it (and one raytrm machine unit)."""
+def alive_tiers() -> dict[str, int]:
+    """Tier name -> number of alive machines advertising it (and one raytrm machine unit); may be empty."""
     import ray
 
     tiers: dict[str, int] = {}
@@ -69,6 +76,12 @@ def cluster_tiers() -> dict[str, int]:
                 if key.startswith(TIER_RESOURCE_PREFIX):
                     name = key[len(TIER_RESOURCE_PREFIX) :]
                     tiers[name] = tiers.get(name, 0) + 1
+    return tiers
+
+
+def cluster_tiers() -> dict[str, int]:
+    """Tier name -> number of alive machines advertising it; a cluster without raytrm machines is one line."""
+    tiers = alive_tiers()
     if not tiers:
         raise UserError(
             "the Ray cluster has no raytrm machine: start each node with "

@@ -142,9 +142,7 @@ def block(poll_s: float = 5.0, running: Callable[[], bool] = _raylet_running) ->
 
 def connect_here(address: str | None, token_file: str | None = None) -> None:
     """Connect this process to the cluster as a driver, with the token (status, jobs)."""
-    token = _token_path(token_file)
-    if token.is_file():
-        os.environ.update(nodes.ray_environment(token))  # before Ray is imported: it reads its auth mode at import
+    nodes.use_cluster_token(_token_path(token_file) if token_file else None)
     import ray
 
     try:

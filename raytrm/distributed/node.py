@@ -163,6 +163,21 @@ def ray_environment(token_path: Path, platform: str = sys.platform) -> dict[str,
     return env
 
 
+def use_cluster_token(token_file: Path | None = None) -> bool:
+    """Turn Ray's token authentication on for this process and its children when this Mac holds a cluster token
+    (token_file, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) and RAY_AUTH_MODE says nothing else; True if it did.
+
+    Ray reads its auth mode when it is imported: call this before anything imports ray.
+    """
+    if os.environ.get(RAY_AUTH_MODE_ENV):
+        return False
+    token = token_file or Path(os.environ.get(RAY_TOKEN_PATH_ENV) or default_token_path())
+    if not token.is_file():
+        return False
+    os.environ.update(ray_environment(token))
+    return True
+
+
 def start_command(
     spec: NodeSpec,
     head: str | None = None,

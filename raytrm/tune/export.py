@@ -149,9 +149,16 @@ def format_table(run_dir: str | Path) -> str:
     """Per tier: best settings, samples/s, peak memory vs budget, objective, verification and the runner-up."""
     run_dir = Path(run_dir)
     lines = []
-    for tier in _state(run_dir)["tiers"]:
+    state = _state(run_dir)
+    for tier in state["tiers"]:
         best, space, _ = ranked(run_dir, tier)
         lines.append(f"tier {tier}  ({len(best)} feasible trials, objective {space.objective})")
+        lost = state.get("lost_tiers", {}).get(tier)
+        if lost:
+            lines.append(
+                f"  LOST     : its last machine left the cluster; trial(s) {lost['died'] or 'none'} died with it "
+                f"(recorded failed, with what they measured), {lost['not_run']} never ran, nothing was verified"
+            )
         if not best:
             lines.append("  no feasible trial: no profile")
             continue

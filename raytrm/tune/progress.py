@@ -60,6 +60,7 @@ class TrialProgress(Callback):
         result.setdefault("trial_number", trial.config.get("trial_number"))
         result.setdefault("params", trial.config.get("params"))
         if failed or "status" not in result:
+            result.pop("final", None)  # its last word was a progress report, not a pruned evaluation
             result.update(status="failed", error=result.get("error") or "the trial process died")
         print(trial_line(result, self.objective), file=self.stream, flush=True)
 

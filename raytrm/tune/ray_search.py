@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 from ray.tune.search import Searcher
@@ -67,7 +70,13 @@ class ConstrainedOptunaSearch(OptunaSearch):
 
 
 class TierSearcher(Searcher):
-    """One ConstrainedOptunaSearch per tier; suggests for a tier only while one of its machines is free."""
+    """One ConstrainedOptunaSearch per tier; suggests for a tier only while one of its machines is free.
+
+    With `machines_now` (tier -> alive machines, read from the cluster) it notices a tier whose last machine left:
+    that tier's study stops where it is (`lost` says when and what it did not run) and the others go on. A trial
+    that dies is recorded with its last progress report, and its tier gets no new trial for `grace_s`, the time
+    Ray may take to declare a vanished node dead.
+    """
 
     def __init__(
         self,
@@ -75,21 +84,56 @@ class TierSearcher(Searcher):
         remaining: dict[str, int],
         machines: dict[str, int],
         objective: str,
+        machines_now: Callable[[], dict[str, int]] | None = None,
+        check_every_s: float = 2.0,
+        grace_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         names = objectives.metric_names(objective)
         super().__init__(metric=names if len(names) > 1 else names[0], mode="max")
         self.searchers, self.remaining, self.machines = searchers, dict(remaining), dict(machines)
         self.live: dict[str, int] = dict.fromkeys(searchers, 0)
         self.tier_of: dict[str, str] = {}
+        self.last: dict[str, dict] = {}  # each running trial's latest progress report
+        self.lost: dict[str, dict[str, Any]] = {}
+        self.machines_now, self.check_every_s, self.grace_s, self.clock = machines_now, check_every_s, grace_s, clock
+        self._checked = -math.inf
+        self._suspect: dict[str, float] = {}  # tier -> when one of its trials died
+        self.died: dict[str, list[int]] = {t: [] for t in searchers}  # trial numbers whose process died
 
     def set_search_properties(self, metric: str | None, mode: str | None, config: dict, **spec: Any) -> bool:
         return True  # the space, metrics and modes come from the space file
 
+    def _refresh(self, force: bool = False) -> None:
+        """Re-read the machines of every tier; a tier with none left is lost."""
+        now = self.clock()
+        if self.machines_now is None or (not force and now - self._checked < self.check_every_s):
+            return
+        self._checked = now
+        counts = self.machines_now()
+        for tier in self.searchers:
+            if counts.get(tier, 0) > 0:
+                self.machines[tier] = counts[tier]
+            elif tier not in self.lost:
+                self.lost[tier] = {"not_run": self.remaining[tier], "at": time.time()}
+                logger.warning(
+                    "tier %s lost: its last machine left the cluster; its study stops with %d trial(s) not run",
+                    tier,
+                    self.remaining[tier],
+                )
+                self.remaining[tier] = 0
+
     def suggest(self, trial_id: str) -> dict | None:
+        self._refresh()
+        now = self.clock()
+        for tier, since in list(self._suspect.items()):
+            if now - since >= self.grace_s:
+                del self._suspect[tier]
+                self._refresh(force=True)
         open_tiers = [t for t, n in self.remaining.items() if n > 0]
         if not open_tiers and not any(self.live.values()):
             return Searcher.FINISHED
-        free = [t for t in open_tiers if self.live[t] < self.machines.get(t, 1)]
+        free = [t for t in open_tiers if self.live[t] < self.machines.get(t, 1) and t not in self._suspect]
         if not free:
             return None  # every machine of the tiers still searching is busy: Tune asks again later
         tier = min(free, key=lambda t: (self.live[t] / max(1, self.machines.get(t, 1)), t))
@@ -102,13 +146,19 @@ class TierSearcher(Searcher):
         return config
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
-        pass
+        self.last[trial_id] = result
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         tier = self.tier_of.pop(trial_id, None)
+        last = self.last.pop(trial_id, None)
         if tier is None:
             return
         self.live[tier] -= 1
+        if error:  # Tune hands an errored trial's searcher no result: its last progress report is what it measured
+            result = result or last
+            self.died[tier].append(self.searchers[tier]._ot_trials[trial_id].number)
+            self._suspect[tier] = self.clock()
+            self._refresh(force=True)
         self.searchers[tier].on_trial_complete(trial_id, result, error)
 
     def save(self, checkpoint_path: str) -> None:
@@ -139,8 +189,8 @@ class PrunerStopper(Stopper):
 
     def __call__(self, trial_id: str, result: dict) -> bool:
         tier = self.searcher.tier_of.get(trial_id) if self.searcher else None
-        if tier is None or result.get("final") is not False:
-            return False
+        if tier is None or result.get("final") is not False or result.get("evaluation") is None:
+            return False  # a final result, or a progress report: nothing for the pruner
         stop = self.searcher.searchers[tier].should_stop(trial_id, result)
         if stop:
             logger.info("trial %s of %s pruned at evaluation %s", trial_id, tier, result.get("evaluation"))

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 MiB = 2**20
 PROBE_MIN_MICRO = 4  # below this the probe steps would cost more than they tell
+PROGRESS_S = 5.0  # seconds between a trial's progress reports in its measured window
 
 
 def resolve_for_node(experiment: dict[str, Any], limits: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -75,6 +76,7 @@ def measure(
     decay_window: float = 0.25,
     evaluations: int = 1,
     report: Callable[[dict[str, Any]], None] | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
     thermal_reader: Any = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Any]:
@@ -82,7 +84,9 @@ def measure(
 
     With evaluations > 1 the window is evaluated at evenly spaced points before its end too, and each of those
     partial results goes to report (which a pruner may answer by stopping the trial). Evaluation time is taken off
-    the clock, so every trial trains for the same wall-clock window whatever it evaluates.
+    the clock, so every trial trains for the same wall-clock window whatever it evaluates. progress, if given, gets
+    the window's measurements so far every PROGRESS_S (no evaluation), so a trial whose machine is lost mid-window
+    is recorded with what it measured.
     """
     from raytrm.hardware.thermal import ThermalReader
     from raytrm.train import memory as memory_model
@@ -136,11 +140,12 @@ def measure(
                 return result
         window: list[tuple[float, int]] = []  # (end time, samples) of each measured step
         window_start = None
+        last_progress = 0.0
         evaluated = 0  # evaluations done inside the window, before its end
         while True:
             t = now()
             if window_start is None and t - start >= warmup_s:
-                window_start = t
+                window_start = last_progress = t
                 hottest = _hotter(hottest, thermal.read().get("thermal_state"))
             if window_start is not None and t - window_start >= measure_s:
                 break
@@ -156,6 +161,11 @@ def measure(
                 partial.update(_evaluate(trainer, config, micro, eval_puzzles, quality_metric))
                 off_clock += clock() - paused
                 report({**partial, "evaluation": evaluated, "final": False})
+            if progress is not None and window_start is not None and window and t - last_progress >= PROGRESS_S:
+                last_progress = t
+                progress(
+                    {**result, **_window_figures(window, window_start, peak, trainer, decay_window), "final": False}
+                )
             with PeakMemory(trainer.device.type) as pm:
                 step = trainer.train_step()
             peak = max(peak, pm.bytes)
@@ -231,11 +241,15 @@ def _decay(window: list[tuple[float, int]], window_start: float | None, share: f
 
 
 def run_trial(
-    config: dict[str, Any], setup: dict[str, Any], report: Callable[[dict[str, Any]], None] | None = None
+    config: dict[str, Any],
+    setup: dict[str, Any],
+    report: Callable[[dict[str, Any]], None] | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """A trial from the searcher's config ({tier, trial_number, params}) and the study's fixed setup.
 
-    report, if given, receives the partial result of each evaluation before the end (see `measure`).
+    report, if given, receives the partial result of each evaluation before the end, and progress the measurements
+    so far every few seconds (see `measure`).
     """
     from raytrm.tune.space import build_experiment
 
@@ -257,6 +271,7 @@ def run_trial(
         evaluations=setup["evaluations"],
         **setup["measure"],
         report=(lambda partial: report({**partial, **labels})) if report is not None else None,
+        progress=(lambda partial: progress({**partial, **labels})) if progress is not None else None,
     )
     result.update(labels)
     return result
@@ -279,7 +294,9 @@ def tune_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
     from ray import tune
 
     # Intermediate evaluations go out only where a pruner reads them; the Tune stopper may end the trial at one.
-    result = run_trial(config, setup, report=tune.report if setup.get("pruner", "none") != "none" else None)
+    # Progress always goes out: if this trial's machine leaves the cluster, its last report is what is recorded.
+    pruned = setup.get("pruner", "none") != "none"
+    result = run_trial(config, setup, report=tune.report if pruned else None, progress=tune.report)
     _save(result, setup.get("run_dir"))
     tune.report(result)
 

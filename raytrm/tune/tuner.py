@@ -24,7 +24,7 @@ import optuna
 
 from raytrm import config as cfg
 from raytrm.constants import RESOURCE_MACHINE, tier_resource
-from raytrm.distributed.cluster import cluster_tiers, connect
+from raytrm.distributed.cluster import alive_tiers, cluster_tiers, connect
 from raytrm.errors import UserError
 from raytrm.tune import objectives
 from raytrm.tune.search import completed_count, record
@@ -167,12 +167,16 @@ def run_tune(
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.write_yaml(state, run_dir / TUNE_FILE)
         _prepare_data(space)
-        _run_studies(space, run_dir, {t: available[t] for t in wanted}, stream)
+        lost = _run_studies(space, run_dir, {t: available[t] for t in wanted}, stream)
+        if lost:
+            state["lost_tiers"] = {**state.get("lost_tiers", {}), **lost}
+            cfg.write_yaml(state, run_dir / TUNE_FILE)
         from raytrm.tune.export import export_run, format_table, verify_best
         from raytrm.tune.plots import write_plots
 
         for tier in wanted:
-            verify_best(run_dir, tier)
+            if tier not in lost:  # no machine of a lost tier is left to verify on
+                verify_best(run_dir, tier)
         paths = export_run(run_dir)
         print(format_table(run_dir), file=stream)
         write_plots(run_dir)
@@ -184,7 +188,10 @@ def run_tune(
             ray.shutdown()
 
 
-def _run_studies(space: SearchSpace, run_dir: Path, machines: dict[str, int], stream: TextIO) -> None:
+def _run_studies(
+    space: SearchSpace, run_dir: Path, machines: dict[str, int], stream: TextIO
+) -> dict[str, dict[str, Any]]:
+    """Run every tier's study in one Tune run; returns the tiers whose machines all left, with what they missed."""
     from ray import tune
     from ray.tune.execution.placement_groups import PlacementGroupFactory
 
@@ -213,7 +220,7 @@ def _run_studies(space: SearchSpace, run_dir: Path, machines: dict[str, int], st
     total = sum(remaining.values())
     if not total:
         logger.info("every tier has its %d trials; nothing to run", space.trials)
-        return
+        return {}
     attempt = sum(1 for _ in (run_dir / "ray").glob("attempt-*")) if (run_dir / "ray").is_dir() else 0
     setup = {
         "base": space.base,
@@ -231,7 +238,7 @@ def _run_studies(space: SearchSpace, run_dir: Path, machines: dict[str, int], st
     )
     # Tune's own tables would bury the one-line-per-trial view; the classic output engine at verbose 0 is silent.
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    searcher = TierSearcher(searchers, remaining, machines, space.objective)
+    searcher = TierSearcher(searchers, remaining, machines, space.objective, machines_now=alive_tiers)
     tuner = tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
@@ -249,3 +256,4 @@ def _run_studies(space: SearchSpace, run_dir: Path, machines: dict[str, int], st
         ),
     )
     tuner.fit()
+    return {tier: {**info, "died": searcher.died[tier]} for tier, info in searcher.lost.items()}

@@ -89,6 +89,11 @@ class Host:
             raise AssertionError(f"{self.name}: {' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}")
         return done
 
+    def popen(self, *argv: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """A long-running command on this host, its stdout and stderr together in the file log."""
+        with log.open("w") as out:  # a file, not a pipe: nobody reads while it runs, and a full pipe would block it
+            return subprocess.Popen(self._argv(argv), env=self.env(env), stdout=out, stderr=subprocess.STDOUT)
+
     def raytrm(self, *args: str, **kw):
         return self.run(sys.executable, "-m", "raytrm.cli", *args, **kw)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import stat
 import sys
+import time
 
 import optuna
 import pytest
@@ -134,3 +135,51 @@ def test_a_job_submitted_from_the_worker_runs_each_tier_on_its_host_and_leaves_t
     exported = a.raytrm("export", str(out), "--tier", WORKER_TIER, "--out", str(tmp_path / "p.yaml"), check=True)
     assert "wrote the profile" in exported.stdout
     assert "SUCCEEDED" in a.raytrm("cluster", "status", check=True).stdout
+
+
+def test_a_worker_lost_mid_tune_is_recorded_and_the_study_finishes_on_the_head(hosts, cluster, tmp_path):
+    """Stops the worker's node while its trial runs: runs last in this module, since it leaves the head alone."""
+    a, b = hosts["a"], hosts["b"]
+    space = {**SPACE, "name": "node-loss", "trials": 2, "budget": {"warmup_s": 1, "measure_s": 12, "eval_puzzles": 16}}
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(space))
+    out = a.root / "runs" / "node-loss"
+    # A driver on the head, as a person runs it there: no RAY_AUTH_MODE, the token file turns authentication on.
+    log = tmp_path / "driver.log"
+    driver = a.popen(
+        sys.executable,
+        "-m",
+        "raytrm.cli",
+        "tune",
+        "--space",
+        str(path),
+        "--out",
+        str(out),
+        "--address",
+        "auto",
+        log=log,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not any(WORKER_TIER in p.read_text() for p in out.glob("ray/attempt-*/*/result.json")):
+            assert driver.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the worker's trial never reported progress"
+            time.sleep(1)
+        b.raytrm("cluster", "stop", check=True)  # the MacBook leaves mid-trial
+        driver.wait(timeout=400)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    output = log.read_text()
+    assert driver.returncode == 0, output
+    state = yaml.safe_load((out / "tune.yaml").read_text())
+    assert list(state["lost_tiers"]) == [WORKER_TIER] and state["lost_tiers"][WORKER_TIER]["died"] == [0]
+    assert f"tier {WORKER_TIER}" in output and "LOST" in output
+    storage = optuna.storages.RDBStorage(f"sqlite:///{out / 'study.db'}")
+    lost = optuna.load_study(study_name=f"node-loss-{WORKER_TIER}", storage=storage).trials
+    assert len(lost) == 1 and lost[0].state == optuna.trial.TrialState.COMPLETE
+    attrs = lost[0].user_attrs
+    assert attrs["status"] == "failed" and attrs["samples_per_sec"] > 0 and attrs["node_address"] == b.ip
+    head = optuna.load_study(study_name=f"node-loss-{HEAD_TIER}", storage=storage).trials
+    assert [t.user_attrs["status"] for t in head] == ["ok", "ok"]
+    assert cfg.load_profile(out / "profiles" / f"{HEAD_TIER}.yaml").tier == HEAD_TIER
