@@ -45,7 +45,9 @@ def head(
     argv = nodes.start_command(spec, None, port, dashboard_host, object_store_mb)
     if autoscaling_config:
         argv.append(f"--autoscaling-config={Path(autoscaling_config).expanduser()}")
-    nodes.run_ray(argv, nodes.ray_environment(token), "ray start --head")
+    nodes.run_ray(
+        argv, {**nodes.ray_environment(token), **nodes.collective_environment(spec.node_ip)}, "ray start --head"
+    )
     return {
         "role": "head",
         "address": f"{spec.node_ip}:{port}",
@@ -80,7 +82,7 @@ def join(
     nodes.read_token(token, head=host)
     _reachable(host, port)
     spec = nodes.this_node(node_ip, tier)
-    env = nodes.ray_environment(token)
+    env = {**nodes.ray_environment(token), **nodes.collective_environment(spec.node_ip)}
     nodes.run_ray(nodes.start_command(spec, f"{host}:{port}", object_store_mb=object_store_mb), env, "ray start")
     try:
         head_labels = _head_labels(f"{host}:{port}", env)

@@ -30,6 +30,7 @@ DASHBOARD_PORT = 8265
 # Ray's own environment knobs that a raytrm node sets for `ray start` (declared by Ray, named here once).
 RAY_AUTH_MODE_ENV, RAY_TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"
 RAY_MAC_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # torch's gloo: the interface its sockets bind and advertise
 #: Node label keys (Kubernetes syntax, as Ray requires): the tier, the memory budget and the versions `join` checks.
 LABEL_PREFIX = "raytrm/"
 VERSION_KEYS = ("python", "ray", "torch", "raytrm")
@@ -102,6 +103,27 @@ def lan_address(explicit: str | None = None) -> str:
             if name in up and addr.family == socket.AF_INET and not addr.address.startswith("127."):
                 return addr.address
     raise UserError("no network address found on this Mac: connect it to the LAN, or pass --node-ip")
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of the network interface that holds ip (en0, bridge0, ...), or None."""
+    import psutil
+
+    for name, addrs in sorted(psutil.net_if_addrs().items()):
+        if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
+            return name
+    return None
+
+
+def collective_environment(node_ip: str) -> dict[str, str]:
+    """What the node's training workers need to reach the other Macs: gloo bound to the interface of node_ip.
+
+    Left alone, gloo advertises the address its host name resolves to, often 127.0.0.1 (or a link-local address
+    on a Mac), and the other nodes' workers cannot connect ("connectFullMesh failed ... 127.0.0.1"). Workers
+    inherit the environment of `ray start`, so the node sets it once for all of them.
+    """
+    name = interface_of(node_ip)
+    return {GLOO_IFNAME_ENV: name} if name else {}
 
 
 def object_store_bytes(memory_bytes: int, explicit_mb: int | None = None) -> int:

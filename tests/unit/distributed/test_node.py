@@ -53,6 +53,13 @@ def test_the_node_address():
     assert found.count(".") == 3 and not found.startswith("127.")
 
 
+def test_gloo_is_bound_to_the_interface_of_the_node_address():
+    loopback = nodes.interface_of("127.0.0.1")
+    assert loopback in ("lo", "lo0")  # Linux, macOS
+    assert nodes.collective_environment("127.0.0.1") == {"GLOO_SOCKET_IFNAME": loopback}
+    assert nodes.collective_environment("203.0.113.77") == {}  # an address this machine does not hold
+
+
 def test_the_object_store_is_small_beside_the_training_budget():
     assert nodes.object_store_bytes(8 * 2**30) == 512 * 2**20  # 5% is under the floor
     assert nodes.object_store_bytes(16 * 2**30) == int(0.05 * 16 * 2**30)
