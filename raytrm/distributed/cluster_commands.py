@@ -22,8 +22,16 @@ from raytrm.errors import UserError
 logger = logging.getLogger(__name__)
 
 
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker of the head node among ray.nodes()
+
+
 def _token_path(explicit: str | None) -> Path:
     return Path(explicit).expanduser().resolve() if explicit else nodes.default_token_path()
+
+
+def _environment(token: Path, spec: nodes.NodeSpec) -> dict[str, str]:
+    """`ray start`'s environment, which the node's workers inherit: token auth, macOS clustering, gloo's interface."""
+    return {**nodes.ray_environment(token), **nodes.collective_environment(spec.node_ip)}
 
 
 def head(
@@ -45,9 +53,7 @@ def head(
     argv = nodes.start_command(spec, None, port, dashboard_host, object_store_mb)
     if autoscaling_config:
         argv.append(f"--autoscaling-config={Path(autoscaling_config).expanduser()}")
-    nodes.run_ray(
-        argv, {**nodes.ray_environment(token), **nodes.collective_environment(spec.node_ip)}, "ray start --head"
-    )
+    nodes.run_ray(argv, _environment(token, spec), "ray start --head")
     return {
         "role": "head",
         "address": f"{spec.node_ip}:{port}",
@@ -82,7 +88,7 @@ def join(
     nodes.read_token(token, head=host)
     _reachable(host, port)
     spec = nodes.this_node(node_ip, tier)
-    env = {**nodes.ray_environment(token), **nodes.collective_environment(spec.node_ip)}
+    env = _environment(token, spec)
     nodes.run_ray(nodes.start_command(spec, f"{host}:{port}", object_store_mb=object_store_mb), env, "ray start")
     try:
         head_labels = _head_labels(f"{host}:{port}", env)
@@ -104,7 +110,7 @@ def _head_labels(address: str, env: dict[str, str]) -> dict[str, str]:
     ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     try:
         for info in ray.nodes():
-            if info.get("Alive") and info.get("NodeManagerAddress") == address.rpartition(":")[0]:
+            if info.get("Alive") and info.get("Resources", {}).get(HEAD_RESOURCE):
                 return dict(info.get("Labels", {}))
         raise UserError(f"{address}: the head node is not in its own cluster's node list; restart the head")
     finally:
@@ -171,7 +177,7 @@ def status(address: str | None = None, token_file: str | None = None) -> dict[st
                 {
                     "address": info.get("NodeManagerAddress"),
                     "alive": bool(info.get("Alive")),
-                    "head": bool(res.get("node:__internal_head__")),
+                    "head": bool(res.get(HEAD_RESOURCE)),
                     "tier": labels.get(f"{nodes.LABEL_PREFIX}tier"),
                     "cpus": res.get("CPU", 0),
                     "memory_gb": res.get("memory", 0) / 2**30,
