@@ -168,7 +168,7 @@ def bench_ray(config: cfg.ExperimentConfig, work_dir: Path, repeats: int) -> lis
     job = {"config": config, "machines": {}, "explicit": [], "workers_per_machine": 1}
     alone = worker_config(job, tier="")
     plain, on_ray = [], []
-    owned = connect(None)  # a local Ray as `raytrm train --workers` starts it
+    owned = connect(None, dashboard=True)  # a local Ray as `raytrm train --workers` starts it
     try:
         for k in range(repeats):
             plain.append(run_training(alone, work_dir / f"plain-{k}")["samples_per_sec"])

@@ -30,10 +30,12 @@ def _check_reachable(address: str) -> None:
         ) from None
 
 
-def connect(address: str | None) -> bool:
+def connect(address: str | None, dashboard: bool = False) -> bool:
     """Connect to Ray: the running one (tests), a cluster at address, or a local one started here. True if owned.
 
     A cluster made by `raytrm cluster` wants its token: with one on this Mac, token authentication is turned on.
+    dashboard starts a local Ray with its dashboard, whose state API Ray Train's placement-group cleaner polls
+    (without it, the cleaner warns every second); tuning does without and saves its memory.
     """
     if address:
         from raytrm.distributed.node import use_cluster_token
@@ -57,7 +59,7 @@ def connect(address: str | None) -> bool:
     tier = match_tier(detect())
     ray.init(
         num_cpus=os.cpu_count() or 1,
-        include_dashboard=False,
+        include_dashboard=dashboard,
         resources={RESOURCE_MACHINE: 1, tier_resource(tier.name): 1},
     )
     logger.info("started a local Ray: one machine of tier %s", tier.name)

@@ -176,7 +176,7 @@ def train_distributed(
     machines, weights = profile_settings(profiles, profile_names) if profiles else ({}, {})
     if profiles:  # the first profile's machine settings are its tier's: other tiers take theirs, or their defaults
         config = without_machine_settings(config, keep=explicit)
-    owned = connect(address)
+    owned = connect(address, dashboard=True)
     try:
         nodes = raytrm_nodes()
         on_cluster = address is not None
