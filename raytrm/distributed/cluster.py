@@ -26,7 +26,7 @@ def _check_reachable(address: str) -> None:
     except OSError as e:
         raise UserError(
             f"--address {address}: cannot reach a Ray head there ({e.strerror or e}); start it with "
-            "`ray start --head` or check the address and the firewall"
+            "`raytrm cluster head` or check the address and the firewall"
         ) from None
 
 
@@ -86,8 +86,7 @@ def cluster_tiers() -> dict[str, int]:
     tiers = alive_tiers()
     if not tiers:
         raise UserError(
-            "the Ray cluster has no raytrm machine: start each node with "
-            f"""`ray start ... --resources='{{"{RESOURCE_MACHINE}": 1, "{TIER_RESOURCE_PREFIX}TIER": 1}}'` """
-            "(`raytrm probe` names the tier)"
+            "the Ray cluster has no raytrm machine: start its nodes with `raytrm cluster head` and `raytrm cluster "
+            f"""join` (or `ray start ... --resources='{{"{RESOURCE_MACHINE}": 1, "{TIER_RESOURCE_PREFIX}TIER": 1}}'`)"""
         )
     return tiers

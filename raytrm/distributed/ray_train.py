@@ -184,7 +184,7 @@ def train_distributed(
         if on_cluster and count > len(nodes):
             raise UserError(
                 f"--workers {count}: the cluster has {len(nodes)} raytrm machine(s), one worker each; start more "
-                "nodes with `ray start` or ask for fewer workers"
+                "nodes with `raytrm cluster join` or ask for fewer workers"
             )
         missing = sorted(set(machines) - {n.tier for n in nodes})
         if missing:
@@ -213,6 +213,11 @@ def train_distributed(
             ray.shutdown()
 
 
+def _elastic(count: int) -> int | tuple[int, int]:
+    """On a cluster, a group that loses a Mac restarts on the machines left (resume works on any worker count)."""
+    return (1, count) if count > 1 else count
+
+
 def _fit(job: dict, count: int, on_cluster: bool, nodes: Sequence[Node], run_dir: Path, max_failures: int) -> None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -231,7 +236,9 @@ def _fit(job: dict, count: int, on_cluster: bool, nodes: Sequence[Node], run_dir
         _worker_loop,
         train_loop_config=job,
         torch_config=TorchConfig(backend=backend),
-        scaling_config=ScalingConfig(num_workers=count, use_gpu=use_gpu, resources_per_worker=resources),
+        scaling_config=ScalingConfig(
+            num_workers=_elastic(count) if on_cluster else count, use_gpu=use_gpu, resources_per_worker=resources
+        ),
         run_config=RunConfig(
             name=f"train-{uuid.uuid4().hex[:8]}",
             storage_path=str((run_dir / "ray").resolve()),

@@ -140,15 +140,32 @@ def test_a_job_submitted_from_the_worker_runs_each_tier_on_its_host_and_leaves_t
     assert "SUCCEEDED" in a.raytrm("cluster", "status", check=True).stdout
 
 
+def training_config(host, tmp_path, **training) -> dict:
+    """A tiny TRM on Sudoku generated on host."""
+    data = tmp_path / "sudoku"
+    host.raytrm("data", "sudoku", "--out", str(data), "--count", "200", "--test-count", "16", check=True)
+    model = {"hidden_size": 32, "L_layers": 1, "H_cycles": 2, "L_cycles": 1, "halt_max_steps": 3}
+    base = {"global_batch_size": 24, "lr": 3e-3, "warmup_steps": 2, "threads": 1, "seed": 4}
+    return {"model": model, "data": {"path": str(data)}, "training": {**base, **training}}
+
+
+def read_lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def wait_for(condition, driver, log, what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert driver.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, what
+        time.sleep(1)
+
+
 def test_training_across_both_hosts_gives_the_one_process_update(hosts, cluster, tmp_path):
     """Ray Train workers on two hosts, joined by gloo over the veth pair, train as one process would."""
     a = hosts["a"]
-    data = tmp_path / "sudoku"
-    a.raytrm("data", "sudoku", "--out", str(data), "--count", "200", "--test-count", "16", check=True)
     config = tmp_path / "config.yaml"
-    model = {"hidden_size": 32, "L_layers": 1, "H_cycles": 2, "L_cycles": 1, "halt_max_steps": 3}
-    training = {"global_batch_size": 24, "lr": 3e-3, "warmup_steps": 2, "threads": 1, "seed": 4, "steps": 4}
-    config.write_text(yaml.safe_dump({"model": model, "data": {"path": str(data)}, "training": training}))
+    config.write_text(yaml.safe_dump(training_config(a, tmp_path, steps=4)))
     both, alone = tmp_path / "both", tmp_path / "alone"
     a.raytrm("train", "--config", str(config), "--address", "auto", "--out", str(both), check=True, timeout=400)
     a.raytrm("train", "--config", str(config), "--out", str(alone), check=True)  # one process, no Ray
@@ -159,10 +176,37 @@ def test_training_across_both_hosts_gives_the_one_process_update(hosts, cluster,
         torch.testing.assert_close(value, trained[1]["model"][key], rtol=0, atol=1e-2 * 3e-3, msg=key)
 
 
+def test_training_goes_on_without_a_worker_whose_mac_leaves(hosts, cluster, tmp_path):
+    """The worker's node stops mid-run: Ray Train restarts the group on the head alone, which resumes from the last
+    checkpoint on one worker (same samples, another split) and finishes the run."""
+    a, b = hosts["a"], hosts["b"]
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(training_config(a, tmp_path, steps=200, checkpoint_interval=2, log_interval=1)))
+    out, log = tmp_path / "run", tmp_path / "train.log"
+    driver = a.popen(
+        sys.executable, "-m", "raytrm.cli", "train", "--config", str(config), "--address", "auto", "--out", str(out),
+        log=log,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: len(read_lines(out / "metrics.jsonl")) >= 10, driver, log, "the two workers never trained")
+        assert all(len(r["workers"]) == 2 for r in read_lines(out / "metrics.jsonl") if "workers" in r)
+        b.raytrm("cluster", "stop", check=True)  # the MacBook leaves mid-run
+        driver.wait(timeout=500)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, log.read_text()[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 200 and 0 < summary["resumed_from_step"] < 200
+    assert "workers" not in summary  # the last attempt ran alone: one worker has no shares to report
+    b.raytrm("cluster", "join", a.ip, "--tier", WORKER_TIER, check=True)  # back for the next test
+
+
 def test_a_worker_lost_mid_tune_is_recorded_and_the_study_finishes_on_the_head(hosts, cluster, tmp_path):
     """Stops the worker's node while its trial runs: runs last in this module, since it leaves the head alone."""
     a, b = hosts["a"], hosts["b"]
-    space = {**SPACE, "name": "node-loss", "trials": 2, "budget": {"warmup_s": 1, "measure_s": 12, "eval_puzzles": 16}}
+    # A window long enough that the stop lands inside it (trials report progress every 5 s).
+    space = {**SPACE, "name": "node-loss", "trials": 2, "budget": {"warmup_s": 1, "measure_s": 25, "eval_puzzles": 16}}
     path = tmp_path / "space.yaml"
     path.write_text(yaml.safe_dump(space))
     out = a.root / "runs" / "node-loss"
@@ -182,11 +226,12 @@ def test_a_worker_lost_mid_tune_is_recorded_and_the_study_finishes_on_the_head(h
         log=log,
     )
     try:
-        deadline = time.monotonic() + 180
-        while not any(WORKER_TIER in p.read_text() for p in out.glob("ray/attempt-*/*/result.json")):
-            assert driver.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "the worker's trial never reported progress"
-            time.sleep(1)
+        wait_for(
+            lambda: any(WORKER_TIER in p.read_text() for p in out.glob("ray/attempt-*/*/result.json")),
+            driver,
+            log,
+            "the worker's trial never reported progress",
+        )
         b.raytrm("cluster", "stop", check=True)  # the MacBook leaves mid-trial
         driver.wait(timeout=400)
     finally:
