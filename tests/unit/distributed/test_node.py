@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 
 import pytest
@@ -150,3 +151,15 @@ def test_bad_cluster_input_is_one_line_and_starts_nothing(tmp_path, capsys, argv
     code = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and piece in err[0], err
+
+
+def test_a_driver_on_a_node_turns_token_auth_on_when_it_holds_the_token(tmp_path, monkeypatch):
+    # A private copy of the environment: what the function sets must not reach the other tests (or Ray).
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("RAY_")})
+    assert nodes.use_cluster_token(tmp_path / "missing") is False and "RAY_AUTH_MODE" not in os.environ
+    token = tmp_path / "auth_token"
+    token.write_text("ab" * 32)
+    assert nodes.use_cluster_token(token) is True
+    assert os.environ["RAY_AUTH_MODE"] == "token" and os.environ["RAY_AUTH_TOKEN_PATH"] == str(token)
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # said otherwise: left alone
+    assert nodes.use_cluster_token(token) is False and os.environ["RAY_AUTH_MODE"] == "disabled"
