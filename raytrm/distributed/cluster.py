@@ -16,18 +16,26 @@ from raytrm.errors import UserError
 logger = logging.getLogger(__name__)
 
 
+def unreachable(host: str, port: int) -> str | None:
+    """Why nothing answers a TCP connection at host:port within 3 s, or None when something does."""
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as e:
+        return str(e.strerror or e)
+    return None
+
+
 def _check_reachable(address: str) -> None:
     """One clear line, before anything is started or written, if no Ray head can answer at HOST:PORT."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise UserError(f"--address {address}: expected auto or HOST:PORT, e.g. 192.168.1.10:6379")
-    try:
-        socket.create_connection((host, int(port)), timeout=3).close()
-    except OSError as e:
+    why = unreachable(host, int(port))
+    if why:
         raise UserError(
-            f"--address {address}: cannot reach a Ray head there ({e.strerror or e}); start it with "
+            f"--address {address}: cannot reach a Ray head there ({why}); start it with "
             "`raytrm cluster head` or check the address and the firewall"
-        ) from None
+        )
 
 
 def connect(address: str | None, dashboard: bool = False) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrm.distributed import node as nodes
+from raytrm.distributed.cluster import unreachable
 from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -66,13 +66,12 @@ def head(
 
 
 def _reachable(host: str, port: int) -> None:
-    try:
-        socket.create_connection((host, port), timeout=3).close()
-    except OSError as e:
+    why = unreachable(host, port)
+    if why:
         raise UserError(
-            f"cannot reach the head at {host}:{port} ({e.strerror or e}); start it with `raytrm cluster head` "
+            f"cannot reach the head at {host}:{port} ({why}); start it with `raytrm cluster head` "
             "and allow Python through the head's firewall"
-        ) from None
+        )
 
 
 def join(

@@ -196,7 +196,12 @@ def _loop(
             trainer.set_micro_batch(micro)
             if guard is not None:
                 guard.reset_baseline()
-        cap = governor.share_cap(trainer.local_batch, trainer.slot_bytes()) if governor is not None else None
+        # A share cap matters only beside other workers: alone, the step skips measuring it.
+        cap = (
+            governor.share_cap(trainer.local_batch, trainer.slot_bytes())
+            if governor is not None and not peers.alone
+            else None
+        )
         for event in peers.after_step(result, cap):
             write(event)
         train_seconds += result.seconds
