@@ -491,8 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--parts",
         nargs="+",
         default=["pair", "ray", "sync"],
-        choices=("pair", "ray", "sync", "scaling"),
-        help="distributed: which measurements (scaling wants --device cuda and --workers 1 2)",
+        choices=("pair", "ray", "sync", "overlap", "scaling"),
+        help="distributed: which measurements (scaling wants --device cuda and --workers 1 2; overlap runs "
+        "max(--workers, 2) workers)",
     )
     p.add_argument("--slowdown", type=float, default=2.0, help="distributed: how much slower the slow worker is")
     p.add_argument(

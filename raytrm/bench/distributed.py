@@ -7,6 +7,9 @@
 - sync: the gradient all-reduce of the reference TRM (5.0M parameters) measured here, and the time the same bytes
   take at 1 GbE, 10 GbE and a Thunderbolt bridge, computed from the bytes a ring all-reduce moves; with the
   samples per worker and step that keep sync under 10% of a step.
+- overlap: two workers training the byte-level LM with the gradient all-reduce overlapped with the last backward,
+  against summed after it, alternated: step time, the sync time left after the backward, and the fraction of the
+  gradient bytes that started during it.
 - scaling (`--device cuda --workers 1 2`): samples/s at the reference TRM config on one GPU and on two (NCCL).
 
 The worker processes are plain torch.distributed processes (raytrm.distributed.launch) running the same Trainer,
@@ -62,14 +65,15 @@ def timed_steps(
     warmup: int,
     balance: bool = False,
     slow: tuple[int, float] | None = None,
+    overlap: bool = True,
 ) -> dict[str, Any] | None:
     """One worker: warm-up steps (the balancer settles there), then timed steps; rank 0 reports medians."""
     if slow is not None and slow[0] == rank:
         slow_down(slow[1])
-    sync = ProcessGroupSync(device) if world_size > 1 else LocalSync()
+    sync = ProcessGroupSync(device, overlap=overlap) if world_size > 1 else LocalSync()
     trainer = Trainer(config, sync=sync)
     peers = Peers(trainer, balance=balance)
-    times, compute, syncs = [], [], []
+    times, compute, syncs, overlapped = [], [], [], []
     for k in range(warmup + steps):
         start = time.perf_counter()
         result = trainer.train_step()
@@ -78,6 +82,7 @@ def timed_steps(
             times.append(time.perf_counter() - start)
             compute.append(result.compute_seconds)
             syncs.append(result.sync_seconds)
+            overlapped.append(trainer.last_overlap)
     trainer.close()
     if rank:
         return None
@@ -87,6 +92,7 @@ def timed_steps(
         "samples_per_sec": trainer.global_batch / step_s,
         "compute_s": statistics.median(compute),
         "sync_s": statistics.median(syncs),
+        "overlap": statistics.median(overlapped),
         "shares": list(trainer.shares),
         "rebalances": len(peers.balancer.events) if peers.balancer else 0,
     }
@@ -116,9 +122,10 @@ def _run(
     warmup: int,
     balance: bool = False,
     slow: tuple[int, float] | None = None,
+    overlap: bool = True,
 ) -> dict[str, Any]:
     device = devices.pick_device(config.training.device).type
-    return spawn(timed_steps, workers, config, steps, warmup, balance, slow, device=device)[0]
+    return spawn(timed_steps, workers, config, steps, warmup, balance, slow, overlap, device=device)[0]
 
 
 def bench_pair(config: cfg.ExperimentConfig, slowdown: float, steps: int, repeats: int) -> list[Row]:
@@ -229,6 +236,53 @@ def bench_sync(params: int, workers: int, samples_per_sec: float, repeats: int) 
     return rows
 
 
+def bench_overlap(config: cfg.ExperimentConfig, workers: int, steps: int, repeats: int) -> list[Row]:
+    """The LM's step with its all-reduce overlapped with the last backward and after it, alternated per repeat."""
+    found: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for _ in range(repeats):
+        for overlap in (False, True):
+            found[overlap].append(_run(config, workers, steps, 2, overlap=overlap))
+    batch = config.training.global_batch_size
+    rows = []
+    for overlap, name in ((False, "all-reduce after the backward"), (True, "all-reduce overlapped")):
+        step_s = statistics.median(r["step_s"] for r in found[overlap])
+        rows.append(
+            Row(
+                "overlap",
+                name,
+                workers,
+                batch,
+                batch / step_s,
+                step_s,
+                statistics.median(r["sync_s"] for r in found[overlap]),
+                found[overlap][0]["shares"],
+                ratio=rows[0].step_s / step_s if rows else 1.0,
+                note=f"{statistics.median(r['overlap'] for r in found[overlap]):.0%} of the gradient bytes started "
+                "before the backward returned",
+            )
+        )
+    return rows
+
+
+def small_lm(work_dir: Path, device: str, batch: int) -> cfg.ExperimentConfig:
+    """The overlap bench's model: the byte-level LM at hidden 256, 4 layers and 256 bytes on the CPU (3.2M
+    parameters), hidden 1024, 8 layers and 512 bytes on a GPU (101M)."""
+    from raytrm.bench.transformer import HEAD_DIM, _corpus
+
+    big = device == devices.CUDA
+    hidden = 1024 if big else 256
+    model = {
+        "name": "transformer",
+        "hidden_size": hidden,
+        "num_heads": hidden // HEAD_DIM,
+        "layers": 8 if big else 4,
+        "seq_len": 512 if big else 256,
+    }
+    training = {"global_batch_size": batch, "device": device, "lr": 1e-3, "warmup_steps": 2}
+    data = {"name": "text", "path": str(_corpus(work_dir / "corpus.txt"))}
+    return cfg.from_dict(cfg.ExperimentConfig, {"model": model, "data": data, "training": training})
+
+
 def bench_scaling(config: cfg.ExperimentConfig, counts: list[int], steps: int) -> list[Row]:
     """samples/s at a fixed per-worker batch on 1, 2, ... devices (weak scaling), against one device."""
     per_worker = config.training.global_batch_size
@@ -315,6 +369,11 @@ def run(
         params = reference.model.num_parameters()
         reference.close()
         rows += bench_sync(params, max(2, max(workers)), rate, repeats=10)
+    if "overlap" in parts:
+        from raytrm.bench.transformer import _cache_in
+
+        with _cache_in(work_dir / "cache"):
+            rows += bench_overlap(small_lm(work_dir, device, batch), max(2, max(workers)), 6, repeats)
     if "scaling" in parts:
         rows += bench_scaling(reference_experiment("mlp_t", 512, batch, None, device, data_dir, "auto"), workers, 10)
     return rows

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +36,23 @@ def _final_state(trainer: Trainer) -> dict[str, Any]:
     }
 
 
-def record_steps(trainer: Trainer, schedule: Sequence[Sequence[int]] | None, steps: int) -> dict[str, Any]:
-    """Train `steps` steps (switching shares per `schedule`), recording loss, metrics and gradients of each."""
-    out: dict[str, Any] = {"losses": [], "metrics": [], "grads": []}
+def record_steps(
+    trainer: Trainer,
+    schedule: Sequence[Sequence[int]] | None,
+    steps: int,
+    on_out_of_memory: Callable[[int], int] | None = None,
+) -> dict[str, Any]:
+    """Train `steps` steps (switching shares per `schedule`), recording loss, metrics and gradients of each, and the
+    fraction of the gradient summed during the backward (the transformer's overlapped all-reduce)."""
+    out: dict[str, Any] = {"losses": [], "metrics": [], "grads": [], "overlap": []}
     for k in range(steps):
         if schedule is not None and list(schedule[k]) != trainer.shares:
             trainer.set_shares(schedule[k])
-        loss, metrics = trainer.forward_backward()
+        loss, metrics = trainer.forward_backward(on_out_of_memory=on_out_of_memory)
         out["losses"].append(loss)
         out["metrics"].append(metrics)
         out["grads"].append(_dense_grads(trainer))
+        out["overlap"].append(trainer.last_overlap)
         trainer.optimizer_step()
     out["state"] = _final_state(trainer)
     return out
@@ -59,9 +66,10 @@ def train_steps(
     schedule: Sequence[Sequence[int]],
     micro_batches: Sequence[int],
     steps: int,
+    bucket_mb: float = 4.0,
 ) -> dict[str, Any] | None:
     """One worker of a distributed run (torch.distributed already joined); rank 0 returns what it recorded."""
-    trainer = Trainer(config, sync=ProcessGroupSync(device), shares=schedule[0])
+    trainer = Trainer(config, sync=ProcessGroupSync(device, bucket_mb=bucket_mb), shares=schedule[0])
     trainer.set_micro_batch(micro_batches[rank])
     recorded = record_steps(trainer, schedule, steps)
     return recorded if rank == 0 else None
@@ -153,13 +161,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--model", choices=("trm", "lm"), default="trm", help="a tiny TRM, or a byte-level LM")
+    parser.add_argument(
+        "--bucket-mb", type=float, default=4.0, help="gradient bucket size (small: the LM's sum starts mid-backward)"
+    )
     parser.add_argument("--work", default="/tmp/raytrm-equivalence", help="where the generated data goes")
     args = parser.parse_args(argv)
     config = _experiment(args.model, args.device, Path(args.work))
     uneven = split(48, list(range(1, args.workers + 1)))
     schedule = [uneven] * (args.steps // 2) + [list(reversed(uneven))] * (args.steps - args.steps // 2)
     alone = train_alone(config, args.steps)
-    spread = spawn(train_steps, args.workers, config, schedule, [5] * args.workers, args.steps, device=args.device)[0]
+    spread = spawn(
+        train_steps, args.workers, config, schedule, [5] * args.workers, args.steps, args.bucket_mb, device=args.device
+    )[0]
     result = compare(alone, spread)
     # The noise floor: one process cutting the same batches into other micro-batches (summation order alone).
     recut = compare(alone, train_alone(config, args.steps, micro_batch=5))
@@ -171,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "workers": args.workers,
                 "schedule": schedule,
                 "spread": result,
+                "overlapped_fraction": spread["overlap"],
                 "one_process_recut": recut,
             }
         )

@@ -42,7 +42,13 @@ class Peers:
             return []
         trainer = self.trainer
         shares = list(trainer.shares)
-        mine = [result.compute_seconds, result.sync_seconds, trainer.micro_batch, -1 if cap is None else cap]
+        mine = [
+            result.compute_seconds,
+            result.sync_seconds,
+            trainer.last_overlap,
+            trainer.micro_batch,
+            -1 if cap is None else cap,
+        ]
         gathered = self.sync.gather_floats(mine)
         self.rows = [
             {
@@ -50,11 +56,12 @@ class Peers:
                 "share": share,
                 "samples_per_sec": share / max(compute, 1e-9),
                 "compute_s": compute,
-                "sync_s": sync_s,
+                "sync_s": sync_s,  # what the all-reduce added after this worker's backward
+                "sync_overlap": overlap,  # the fraction of the gradient summed while the backward still ran
                 "micro_batch": int(micro),
                 "share_cap": int(limit) if limit >= 1 else None,
             }
-            for rank, (share, (compute, sync_s, micro, limit)) in enumerate(zip(shares, gathered, strict=True))
+            for rank, (share, (compute, sync_s, overlap, micro, limit)) in enumerate(zip(shares, gathered, strict=True))
         ]
         if self.balancer is None:
             return []

@@ -113,6 +113,17 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def synchronize_compute(device: torch.device) -> None:
+    """Wait for this thread's queued compute only: on CUDA the current stream, not the collectives on their own
+    streams (a worker's compute time must not include waiting for a slower peer's all-reduce)."""
+    import torch
+
+    if device.type == CUDA:
+        torch.cuda.current_stream(device).synchronize()
+    else:
+        synchronize(device)
+
+
 def empty_cache(device: torch.device) -> None:
     """Return cached allocator blocks to the device after an out-of-memory error."""
     import torch

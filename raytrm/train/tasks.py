@@ -36,6 +36,9 @@ class Task(Protocol):
     sparse_optimizer: SignSGD | None
     #: Tokens a training sample holds, where throughput is counted in tokens (the language model); else None.
     tokens_per_sample: int | None
+    #: Whether most of the gradient is final well before the backward ends, so that summing it across workers during
+    #: the backward pays (raytrm.distributed.sync.OverlappedAllReduce).
+    overlaps_sync: bool
 
     def begin_step(self, batch: Batch, global_batch: int, part: slice) -> Any: ...
     def micro_step(self, batch: Batch, part: slice, step: Any) -> tuple[float, dict[str, float]]: ...
@@ -72,6 +75,9 @@ class TRMTask:
     """TRM on puzzles: one carry for this worker's slots of the global batch; micro-batches read and write theirs."""
 
     tokens_per_sample = None
+    # One network runs in every H/L cycle, so each weight's gradient is final only as the backward ends (16% of the
+    # reference TRM's gradient bytes are final before the last 10% of its backward; README, Performance).
+    overlaps_sync = False
 
     def __init__(
         self, config: cfg.ExperimentConfig, device: torch.device, dtype: torch.dtype, loss_dtype: torch.dtype
@@ -201,6 +207,7 @@ class TransformerTask:
 
     sparse_optimizer = None
     carry = None
+    overlaps_sync = True  # the head and the last layers finish first: 91% of the bytes before the last tenth
 
     def __init__(self, config: cfg.ExperimentConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.config, self.device = config, device

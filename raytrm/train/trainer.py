@@ -27,7 +27,7 @@ import torch
 from raytrm import config as cfg
 from raytrm.data.loader import global_batches
 from raytrm.distributed.shares import shard, split
-from raytrm.distributed.sync import GradientSync, LocalSync
+from raytrm.distributed.sync import GradientSync, LocalSync, OverlappedAllReduce
 from raytrm.hardware import device as devices
 from raytrm.models.trm import Carry
 from raytrm.train.memory import cut
@@ -107,6 +107,9 @@ class Trainer:
         self.shard = shard(self.shares, self.sync.rank)
         self.cuts = cut(self.local_batch, train.micro_batch)
         self.last_compute_s = self.last_sync_s = 0.0
+        #: Fraction of the gradient bytes whose sum started during the last backward, in the latest step.
+        self.last_overlap = 0.0
+        self._reducer: OverlappedAllReduce | None = None
         self.step = 0
         self.samples_seen = 0
         self.samples_seen_this_run = 0
@@ -189,37 +192,69 @@ class Trainer:
         step = self.task.begin_step(batch, self.global_batch, self.shard)
         # Only allocators that raise need a copy to redo from; on the CPU nothing raises, so nothing is copied.
         saved = self.task.snapshot() if on_out_of_memory else None
+        reducer = self._overlapped_reducer()
+        if reducer is not None:
+            reducer.start()
+        redone = False
         while True:
             try:
-                loss, totals = self._accumulate(batch, step)
+                loss, totals = self._accumulate(batch, step, None if redone else reducer)
                 break
             except Exception as error:
                 if on_out_of_memory is None or not is_out_of_memory(error):
                     raise
+                if reducer is not None and not redone:
+                    # The peers are summing this step's buckets: send ours (void), so none of theirs waits forever.
+                    reducer.abandon()
+                redone = True
                 self._discard_partial_step(saved)
                 self.set_micro_batch(on_out_of_memory(self.step))
         if self.sync.world_size > 1:
-            devices.synchronize(self.device)  # the balancer compares workers' compute times: count queued work
+            devices.synchronize_compute(self.device)  # the balancer compares workers' compute times: count queued work
             self.last_compute_s = time.perf_counter() - start
-            self.last_sync_s = self.sync.all_reduce_gradients(list(self.model.parameters()))
+            params = list(self.model.parameters())
             keys = sorted(totals)
-            summed = self.sync.sum_floats([loss, *(totals[k] for k in keys)])
+            values = [loss, *(totals[k] for k in keys)]
+            if reducer is None:
+                self.last_sync_s = self.sync.all_reduce_gradients(params)
+                summed = self.sync.sum_floats(values)
+            else:
+                self.last_sync_s = 0.0 if redone else reducer.finish()
+                summed = self.sync.sum_floats([*values, float(redone)])
+                if summed.pop() == 0:
+                    reducer.commit()
+                else:  # some rank redid its samples after sending its buckets: every rank sums its gradient again
+                    self.last_sync_s += self.sync.all_reduce_gradients(params)
+                self.last_overlap = reducer.overlapped_bytes / reducer.total_bytes
             loss, totals = summed[0], dict(zip(keys, summed[1:], strict=True))
         else:
             self.last_compute_s = time.perf_counter() - start
         return loss, self.task.rates(totals, self.global_batch)
 
-    def _accumulate(self, batch: dict[str, torch.Tensor], step: Any) -> tuple[float, dict[str, float]]:
-        """This worker's loss and metric sums over its micro-batches."""
+    def _accumulate(
+        self, batch: dict[str, torch.Tensor], step: Any, reducer: OverlappedAllReduce | None = None
+    ) -> tuple[float, dict[str, float]]:
+        """This worker's loss and metric sums over its micro-batches (the last one's backward arms the reducer)."""
         self.model.train()
         totals: dict[str, float] = {}
         loss_sum = 0.0
-        for part in self.slices():
+        parts = self.slices()
+        for i, part in enumerate(parts):
+            if reducer is not None and i == len(parts) - 1:
+                reducer.arm()
             loss, metrics = self.task.micro_step(batch, part, step)
             loss_sum += loss
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         return loss_sum, totals
+
+    def _overlapped_reducer(self) -> OverlappedAllReduce | None:
+        """The all-reduce overlapped with the last backward, where gradients finish early (the transformer)."""
+        if self.sync.world_size == 1 or not self.task.overlaps_sync:
+            return None
+        if self._reducer is None:
+            self._reducer = self.sync.overlapped(list(self.model.parameters()))
+        return self._reducer
 
     def _discard_partial_step(self, saved: Any) -> None:
         """Forget the gradient and state updates (TRM's carry) of a step that failed part-way."""
@@ -298,8 +333,11 @@ class Trainer:
         return result
 
     def close(self) -> None:
-        """Release the batch stream (and its worker processes, if any)."""
+        """Release the batch stream (and its worker processes, if any) and the overlapped all-reduce's hooks."""
         self._batches = None
+        if self._reducer is not None:
+            self._reducer.close()
+            self._reducer = None
 
     # -- state -----------------------------------------------------------------------------------------------------
 
