@@ -7,6 +7,7 @@ same shares at the same global-batch boundary without a coordinator. Alone (one 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from raytrm.distributed.shares import ShareBalancer
@@ -35,11 +36,15 @@ class Peers:
         """Whether any worker wants to stop (a time budget is read on each worker's own clock)."""
         return mine if self.alone else self.sync.any(mine)
 
-    def after_step(self, result: StepResult, cap: int | None = None) -> list[dict[str, Any]]:
+    def after_step(
+        self, result: StepResult, cap: int | None = None, events: Sequence[dict[str, Any]] = ()
+    ) -> list[dict[str, Any]]:
         """Gather every worker's times and memory cap, rebalance the shares if that pays or a worker holds more than
-        its cap; returns the events to log. cap: the most samples this worker's memory model lets it hold."""
+        its cap; returns the events to log: every worker's own (its memory governor's and thermal guard's `events`,
+        each tagged with its rank), then the rebalance. cap: the most samples this worker's memory model lets it
+        hold."""
         if self.alone:
-            return []
+            return list(events)
         trainer = self.trainer
         shares = list(trainer.shares)
         mine = [
@@ -48,8 +53,14 @@ class Peers:
             trainer.last_overlap,
             trainer.micro_batch,
             -1 if cap is None else cap,
+            len(events),
         ]
         gathered = self.sync.gather_floats(mine)
+        counts = [row.pop() for row in gathered]
+        logged = []
+        if any(counts):  # adaptations are rare: their objects travel only when some worker has one
+            for rank, theirs in enumerate(self.sync.gather_objects(list(events))):
+                logged += [{**event, "rank": rank} for event in theirs]
         self.rows = [
             {
                 "rank": rank,
@@ -64,7 +75,7 @@ class Peers:
             for rank, (share, (compute, sync_s, overlap, micro, limit)) in enumerate(zip(shares, gathered, strict=True))
         ]
         if self.balancer is None:
-            return []
+            return logged
         dropped = self.balancer.set_caps([row["share_cap"] for row in self.rows])
         if dropped and self.rank0 and not self._warned:
             logger.warning(
@@ -74,11 +85,11 @@ class Peers:
         self.balancer.observe(trainer.step, [row["compute_s"] for row in self.rows])
         decision = self.balancer.decide(trainer.step)
         if decision is None:
-            return []
+            return logged
         trainer.set_shares(decision.shares_to)
         if self.rank0:
             logger.info("step %d: shares %s -> %s: %s", trainer.step, shares, decision.shares_to, decision.reason)
-        return [decision.to_event()]
+        return [*logged, decision.to_event()]
 
     def state_dict(self) -> dict[str, Any] | None:
         return self.balancer.state_dict() if self.balancer is not None else None

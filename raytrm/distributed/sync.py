@@ -31,6 +31,7 @@ class GradientSync(Protocol):
     def gather_rows(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
     def sum_floats(self, values: Sequence[float]) -> list[float]: ...
     def gather_floats(self, values: Sequence[float]) -> list[list[float]]: ...
+    def gather_objects(self, obj: Any) -> list[Any]: ...
     def gather_slots(self, local: torch.Tensor, part: slice, total: int) -> torch.Tensor: ...
     def any(self, flag: bool) -> bool: ...
     def broadcast_object(self, obj: Any) -> Any: ...
@@ -55,6 +56,9 @@ class LocalSync:
 
     def gather_floats(self, values: Sequence[float]) -> list[list[float]]:
         return [list(values)]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        return [obj]
 
     def gather_slots(self, local: torch.Tensor, part: slice, total: int) -> torch.Tensor:
         return local
@@ -172,6 +176,12 @@ class ProcessGroupSync:
     def gather_floats(self, values: Sequence[float]) -> list[list[float]]:
         t = torch.tensor(list(values), dtype=torch.float64, device=self.comm_device)
         return [row.tolist() for row in self._all_gather(t)]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every worker's picklable object, in rank order (a few events: not for tensors or every step)."""
+        out: list[Any] = [None] * self.world_size
+        self.dist.all_gather_object(out, obj, group=self.group)
+        return out
 
     def gather_slots(self, local: torch.Tensor, part: slice, total: int) -> torch.Tensor:
         """The whole global batch's slots of a per-slot tensor, from each worker's own slots (exact: x + 0 = x)."""

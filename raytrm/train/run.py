@@ -172,16 +172,16 @@ def _loop(
             result = trainer.train_step(on_out_of_memory=governor.on_out_of_memory if governor else None)
         step_peak, peak_method = max(step_peak, peak.bytes), peak.method
         base_micro = train.micro_batch  # what the config asks for, before the guard's share
+        events: list[dict[str, Any]] = []  # this worker's adaptations; rank 0 writes every worker's
         if governor is not None:
             base_micro = governor.after_step(trainer.step, peak.bytes, memory.read().pressure)
-            for event in governor.events[seen:]:
-                write(event)
+            events += governor.events[seen:]
         logging_step = trainer.step % train.log_interval == 0 or trainer.step == train.steps
         heat = thermal.read() if guard is not None or logging_step else {}
         if guard is not None:
             decision = guard.observe(trainer.step, heat.get("thermal_state"), result.samples / result.seconds)
             if decision.event:
-                write(decision.event)
+                events.append(decision.event)
             if decision.threads:
                 apply_threads(decision.threads)
                 guard.reset_baseline()
@@ -202,7 +202,7 @@ def _loop(
             if governor is not None and not peers.alone
             else None
         )
-        for event in peers.after_step(result, cap):
+        for event in peers.after_step(result, cap, events):
             write(event)
         train_seconds += result.seconds
         window_seconds += result.seconds

@@ -62,6 +62,10 @@ def test_rank0_writes_the_run_with_per_worker_rows(tiny, tmp_path):
         # Each worker's memory governor caps its share once it has fitted its memory (after 3 probe steps).
         caps = [w["share_cap"] for w in record["workers"]]
         assert caps == [None, None] if record["step"] < 3 else all(c > b for c, b in zip(caps, [12, 20], strict=True))
+    # Each worker's governor chose its own micro-batch after its probe steps; rank 0 wrote both choices.
+    chosen = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r.get("event") == "choose"]
+    assert sorted(r["rank"] for r in chosen) == [0, 1]
+    assert {r["step"] for r in chosen} == {3}
 
 
 def test_resume_is_exact_on_the_same_workers_and_continues_on_others(tiny, tmp_path):
