@@ -502,6 +502,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--space", metavar="FILE", help="tune: the space whose grid is measured (default: quick)")
     p.add_argument("--table", metavar="FILE", help="tune: the measured grid (JSON), written by --measure")
     p.add_argument("--measure", action="store_true", help="tune: measure the whole grid first (long)")
+    p.add_argument(
+        "--curves",
+        action="store_true",
+        help="tune: learning curves to the space's horizon (default space: horizon), and search methods judged by "
+        "quality at the horizon",
+    )
     p.add_argument("--seeds", type=int, default=10, help="tune: replay seeds per method")
     p.add_argument(
         "--profile",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,187 @@ def _probe(space: SearchSpace, lookup: Any, objective: str, budget: int) -> floa
     return best
 
 
+# -- quality at the user's horizon ---------------------------------------------------------------------------------
+
+
+def learning_grid(space: SearchSpace) -> list[dict[str, Any]]:
+    """Every combination of the space's learning knobs; speed knobs stay at the base's values (the curve ignores
+    them)."""
+    from raytrm.tune.curves import is_speed_knob
+
+    return [{k: v for k, v in point.items() if not is_speed_knob(k)} for point in _unique(space, grid(space))]
+
+
+def _unique(space: SearchSpace, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from raytrm.tune.curves import is_speed_knob
+
+    seen, out = set(), []
+    for point in points:
+        key = _key({k: v for k, v in point.items() if not is_speed_knob(k)})
+        if key not in seen:
+            seen.add(key)
+            out.append(point)
+    return out
+
+
+def measure_curves(space: SearchSpace, out: Path, throughput_s: float = 10.0) -> list[dict[str, Any]]:
+    """Each learning config's throughput here, then its learning curve to the space's horizon (in samples, so a
+    loaded machine changes how long it takes, not what it measures); writes the table to out as it goes.
+
+    The throughputs are measured first, one after the other, so they see the machine in one state. A curve is
+    evaluated at the horizon, at a third, a ninth and a 27th of it, and at the samples a trial of the space's
+    budget sees (what today's short trials compare).
+    """
+    from raytrm import config as cfg
+    from raytrm.tune.curves import learning_curve, rungs
+    from raytrm.tune.trial import measure, resolve_for_node
+
+    points = learning_grid(space)
+    experiments = [resolve_for_node(cfg.to_dict(build_experiment(space.base, p)), {})[0] for p in points]
+    rates = []
+    for experiment in experiments:
+        result = measure(
+            experiment,
+            warmup_s=space.budget.warmup_s,
+            measure_s=throughput_s,
+            memory_budget_mb=None,
+            thermal_cap=None,
+            max_throughput_decay=1.0,
+            eval_puzzles=1,
+        )
+        rates.append(result["samples_per_sec"])
+    short_s = space.budget.warmup_s + space.budget.measure_s
+    rows: list[dict[str, Any]] = []
+    for point, experiment, rate in zip(points, experiments, rates, strict=True):
+        batch = experiment["training"]["global_batch_size"]
+        horizon = space.horizon.samples_at(rate, short_s)
+        at = rungs(round(horizon), batch, count=4, eta=3, extra=[round(short_s * rate)])
+        curve = learning_curve(
+            experiment, at, quality_metric=space.quality_metric, eval_puzzles=space.budget.eval_puzzles
+        )
+        rows.append(
+            {
+                "params": point,
+                "samples_per_sec": rate,
+                "horizon_samples": at[-1],
+                "short_samples": max(batch, round(short_s * rate / batch) * batch),
+                "points": curve["points"],
+            }
+        )
+        out.write_text(json.dumps({"space": space.to_dict(), "curves": rows}, indent=1, default=str))
+    return rows
+
+
+def _extrapolated(points: list[dict[str, Any]], samples: float) -> float:
+    """Quality at `samples` on the least-squares line through the points in log(samples); never below the last
+    point, at most 1. Deeper recursion learns slower at first and keeps learning longer: the slope, not the level,
+    says so, and a line through every point so far is steadier than the last two (each has its evaluation noise)."""
+    last = points[-1]
+    if len(points) < 2 or samples <= last["samples"]:
+        return last["quality"]
+    xs = [math.log(p["samples"]) for p in points]
+    ys = [p["quality"] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread if spread else 0.0
+    predicted = my + slope * (math.log(samples) - mx)
+    return min(1.0, max(last["quality"], predicted))
+
+
+def _until(row: dict[str, Any], fraction: float) -> list[dict[str, Any]]:
+    """The curve's points up to `fraction` of the row's horizon (its rungs sit at 1/27, 1/9, 1/3 and 1)."""
+    limit = fraction * row["horizon_samples"] * 1.001
+    return [p for p in sorted(row["points"], key=lambda p: p["samples"]) if p["samples"] <= limit]
+
+
+def _halving(rows: list[dict[str, Any]], by_prediction: bool, eta: int = 3) -> tuple[dict[str, Any], float]:
+    """Successive halving in each config's own horizon: all start, the best 1/eta go on at each rung (by the
+    quality predicted at the horizon, or by the quality reached so far), the last one trains to the horizon.
+    Returns the pick and the training it cost, in horizons."""
+    alive, cost, done = list(rows), 0.0, 0.0
+    for fraction in (1 / 9, 1 / 3):
+        cost += len(alive) * (fraction - done)
+        done = fraction
+
+        def score(row: dict[str, Any], fraction: float = fraction) -> float:
+            seen = _until(row, fraction)
+            return _extrapolated(seen, row["horizon_samples"]) if by_prediction else seen[-1]["quality"]
+
+        alive = sorted(alive, key=score, reverse=True)[: max(1, math.ceil(len(alive) / eta))]
+    cost += len(alive) * (1 - done)
+    return max(alive, key=lambda r: r["points"][-1]["quality"]), cost
+
+
+def replay_horizon(rows: list[dict[str, Any]], seeds: int = 10) -> dict[str, Any]:
+    """Each method's pick as a fraction of the best quality at the horizon, and what it cost in horizons of
+    training (a horizon = one config trained for the whole horizon).
+
+    - short budget: every config for the space's trial budget, the best there picked (today's `raytrm tune`);
+    - halving by quality so far: successive halving on the quality reached at each rung;
+    - raytrm: the same rungs, promoting the configs whose curves predict the best quality at the horizon;
+    - random at horizon: as many random configs trained to the horizon as raytrm's cost pays for (rounded up), the
+      best picked; its fraction is the median over seeds.
+    """
+    import random
+
+    truth = {_key(r["params"]): r["points"][-1]["quality"] for r in rows}
+    optimum = max(truth.values())
+
+    def fraction(row: dict[str, Any]) -> float:
+        return truth[_key(row["params"])] / optimum
+
+    short_pick = max(rows, key=lambda r: next(p["quality"] for p in r["points"] if p["samples"] >= r["short_samples"]))
+    short_cost = sum(r["short_samples"] / r["horizon_samples"] for r in rows)
+    naive, naive_cost = _halving(rows, by_prediction=False)
+    ours, our_cost = _halving(rows, by_prediction=True)
+    draws = max(1, math.ceil(our_cost))
+    randoms = []
+    for seed in range(seeds):
+        picked = random.Random(seed).sample(rows, min(draws, len(rows)))
+        randoms.append(max(fraction(r) for r in picked))
+    best = max(rows, key=lambda r: truth[_key(r["params"])])
+    return {
+        "grid": len(rows),
+        "optimum": optimum,
+        "optimum_params": best["params"],
+        "methods": {
+            "short budget (today)": {
+                "fraction": fraction(short_pick),
+                "cost": short_cost,
+                "params": short_pick["params"],
+            },
+            "halving by quality so far": {"fraction": fraction(naive), "cost": naive_cost, "params": naive["params"]},
+            "raytrm (halving by predicted horizon quality)": {
+                "fraction": fraction(ours),
+                "cost": our_cost,
+                "params": ours["params"],
+            },
+            f"random at horizon ({draws} configs, median of {seeds} seeds)": {
+                "fraction": statistics.median(randoms),
+                "cost": float(draws),
+                "params": None,
+            },
+        },
+    }
+
+
+def format_horizon(out: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'params':<40} {'samples/s':>9} {'short q':>8} {'horizon q':>9} {'+-':>6}"]
+    for r in rows:
+        short = next(p for p in r["points"] if p["samples"] >= r["short_samples"])
+        last = r["points"][-1]
+        lines.append(
+            f"{json.dumps(r['params']):<40} {r['samples_per_sec']:>9.1f} {short['quality']:>8.4f} "
+            f"{last['quality']:>9.4f} {last.get('stderr') or 0:>6.4f}"
+        )
+    lines.append(f"grid {out['grid']} learning configs, optimum at the horizon {out['optimum']:.4f}")
+    lines.append(f"{'method':<54} {'best/optimum':>12} {'cost (horizons)':>15}  pick")
+    for name, m in out["methods"].items():
+        pick = json.dumps(m["params"]) if m["params"] else ""
+        lines.append(f"{name:<54} {m['fraction']:>12.3f} {m['cost']:>15.2f}  {pick}")
+    return "\n".join(lines)
+
+
 def format_replay(out: dict[str, Any]) -> str:
     lines = [
         f"grid {out['grid']} points, {out['budget']} trials each (20%), optimum {out['optimum']:.4g}",
@@ -191,6 +373,8 @@ def cmd(args: Any) -> int:
     if not args.table:
         raise UserError("bench tune needs --table FILE: the grid's JSON (written with --measure, read otherwise)")
     path = Path(args.table)
+    if args.curves:
+        return _curves_cmd(args, path)
     if args.measure:
         space = load_space(args.space)
         rows = measure_grid(space, path)
@@ -204,6 +388,27 @@ def cmd(args: Any) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     out = replay(space, rows, seeds=args.seeds)
     print(format_replay(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+def _curves_cmd(args: Any, path: Path) -> int:
+    """--curves: measure (with --measure) or read the learning-curve table, then replay the methods on it."""
+    if args.measure:
+        space = load_space(args.space or "horizon")
+        rows = measure_curves(space, path)
+    else:
+        if not path.is_file():
+            raise UserError(
+                f"{path}: no such table; measure one with `raytrm bench tune --curves --measure --table {path}`"
+            )
+        doc = json.loads(path.read_text())
+        if "curves" not in doc:
+            raise UserError(f"{path}: not a learning-curve table (no 'curves'); measure one with --curves --measure")
+        rows = doc["curves"]
+    out = replay_horizon(rows, seeds=args.seeds)
+    print(format_horizon(out, rows))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

@@ -139,6 +139,7 @@ class TRMTask:
         """Cell and exact accuracy on the test split, with the halting steps used."""
         model = self.model
         correct_cells = valid_cells = exact = count = steps_used = baseline_cells = 0.0
+        cell_acc_sum = cell_acc_sq = 0.0  # per-puzzle cell accuracy and its square, summed: their spread over puzzles
         for batch in _test_batches(self.test_data, batch_size, max_batches, self.device):
             n = len(batch["inputs"])
             carry = model.initial_carry(batch)
@@ -156,15 +157,22 @@ class TRMTask:
             labels = batch["labels"]
             mask = labels != -100
             hits = (preds == labels) & mask
+            per_puzzle = hits.sum(-1).double() / mask.sum(-1).clamp(min=1).double()
+            cell_acc_sum += float(per_puzzle.sum())
+            cell_acc_sq += float((per_puzzle**2).sum())
             correct_cells += float(hits.sum())
             valid_cells += float(mask.sum())
             exact += float((hits.sum(-1) == mask.sum(-1)).sum())
             baseline_cells += float(((batch["inputs"] == labels) & mask).sum())
             steps_used += float(used.sum())
             count += n
+        exact_acc = exact / max(1, count)
         return {
             "eval_cell_acc": correct_cells / max(1, valid_cells),
-            "eval_exact_acc": exact / max(1, count),
+            "eval_exact_acc": exact_acc,
+            # Standard errors over puzzles: how far another draw of as many test puzzles could move each score.
+            "eval_cell_acc_se": _standard_error(cell_acc_sum, cell_acc_sq, count),
+            "eval_exact_acc_se": math.sqrt(exact_acc * (1 - exact_acc) / count) if count > 1 else 0.0,
             "eval_steps": steps_used / max(1, count),
             "eval_copy_givens_acc": baseline_cells / max(1, valid_cells),
             "eval_puzzles": count,
@@ -181,6 +189,15 @@ class TRMTask:
 
     def load_rng_state(self, state: dict[str, torch.Tensor]) -> None:
         self.explore_rng.set_state(state["explore"])
+
+
+def _standard_error(total: float, sum_sq: float, n: float) -> float:
+    """Standard error of the mean of n values from their sum and sum of squares (sample variance, n - 1)."""
+    if n < 2:
+        return 0.0
+    mean = total / n
+    variance = max(0.0, (sum_sq - n * mean * mean) / (n - 1))
+    return math.sqrt(variance / n)
 
 
 #: Loss-head metrics that are sums over the sequences that halted this step (the reference's convention).

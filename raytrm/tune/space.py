@@ -54,6 +54,21 @@ class Budget:
 
 
 @dataclass
+class Horizon:
+    """How long the user trains with the profile: the length at which the tuner compares quality."""
+
+    minutes: float | None = spec(None, "minutes of training on each tier (more samples on a faster one)", gt=0)
+    samples: int | None = spec(None, "training samples, the same on every tier", ge=1)
+
+    def samples_at(self, samples_per_sec: float, fallback_s: float) -> float:
+        """The samples a config sees in the horizon at this throughput (fallback_s of training without one)."""
+        if self.samples is not None:
+            return float(self.samples)
+        seconds = self.minutes * 60 if self.minutes is not None else fallback_s
+        return seconds * samples_per_sec
+
+
+@dataclass
 class TierLimits:
     """Per-tier override of tiers.yaml's limits."""
 
@@ -95,6 +110,11 @@ class SearchSpace:
     quality_metric: str = spec("eval_cell_acc", "evaluation metric that measures quality (higher is better)")
     pareto: Pareto = spec(Pareto(), "how one point is picked from the Pareto front")
     budget: Budget = spec(Budget(), "wall-clock budget of each trial")
+    horizon: Horizon = spec(
+        Horizon(),
+        "the training the profile is for, {minutes: N} or {samples: N}; neither = the trial's own budget, which "
+        "favours whatever learns fastest in seconds",
+    )
     trials: int = spec(12, "trials per tier", ge=1)
     startup_trials: int | None = spec(None, "random trials before the model-based sampler; None = trials / 4", ge=1)
     sampler: str = spec("tpe", "tpe (default), gp (needs scipy) or random", choices=("tpe", "gp", "random"))
@@ -185,6 +205,14 @@ def space_from_dict(data: Any, source: str, default_name: str = "study") -> Sear
                 "tpe or random, or scipy installed",
                 "pip install scipy (Optuna's GP sampler needs it), or use sampler: tpe",
             )
+    if space.horizon.minutes is not None and space.horizon.samples is not None:
+        raise ConfigError(
+            source,
+            "horizon",
+            cfg.to_dict(space.horizon),
+            "one of minutes or samples",
+            "name the training length once, e.g. horizon: {minutes: 30}",
+        )
     if space.pruner != "none" and space.objective == "pareto":
         raise ConfigError(
             source, "pruner", space.pruner, "none for a pareto study", "Optuna prunes single-objective studies only"
