@@ -37,6 +37,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if isinstance(data, dict) and "raytrm_tiers" in data:
         print(f"{args.file}: valid tier table, {len(load_tiers(args.file))} tiers")
         return 0
+    if isinstance(data, dict) and "raytrm_space" in data:
+        from raytrm.tune.space import load_space
+
+        space = load_space(args.file)
+        print(f"# {args.file}: valid search space, {len(space.parsed)} parameters; as tuned:")
+        print(config.dump_yaml(space.to_dict()), end="")
+        return 0
     if isinstance(data, dict) and "raytrm_profile" in data:
         obj: object = config.load_profile(args.file)
         kind = "profile"

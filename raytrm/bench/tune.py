@@ -24,8 +24,9 @@ import optuna
 
 from raytrm.errors import UserError
 from raytrm.tune import objectives
+from raytrm.tune.curves import extrapolate, is_speed_knob
 from raytrm.tune.search import make_sampler, optimize
-from raytrm.tune.space import SearchSpace, build_experiment, load_space
+from raytrm.tune.space import SearchSpace, build_experiment, horizon_of, load_space
 
 MICRO = "training.micro_batch_size"
 
@@ -125,14 +126,10 @@ def _probe(space: SearchSpace, lookup: Any, objective: str, budget: int) -> floa
 def learning_grid(space: SearchSpace) -> list[dict[str, Any]]:
     """Every combination of the space's learning knobs; speed knobs stay at the base's values (the curve ignores
     them)."""
-    from raytrm.tune.curves import is_speed_knob
-
     return [{k: v for k, v in point.items() if not is_speed_knob(k)} for point in _unique(space, grid(space))]
 
 
 def _unique(space: SearchSpace, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from raytrm.tune.curves import is_speed_knob
-
     seen, out = set(), []
     for point in points:
         key = _key({k: v for k, v in point.items() if not is_speed_knob(k)})
@@ -190,25 +187,11 @@ def measure_curves(space: SearchSpace, out: Path, throughput_s: float = 10.0) ->
     return rows
 
 
-def _extrapolated(points: list[dict[str, Any]], samples: float) -> float:
-    """Quality at `samples` on the least-squares line through the points in log(samples); never below the last
-    point, at most 1. Deeper recursion learns slower at first and keeps learning longer: the slope, not the level,
-    says so, and a line through every point so far is steadier than the last two (each has its evaluation noise)."""
-    last = points[-1]
-    if len(points) < 2 or samples <= last["samples"]:
-        return last["quality"]
-    xs = [math.log(p["samples"]) for p in points]
-    ys = [p["quality"] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    spread = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread if spread else 0.0
-    predicted = my + slope * (math.log(samples) - mx)
-    return min(1.0, max(last["quality"], predicted))
-
-
 def _until(row: dict[str, Any], fraction: float) -> list[dict[str, Any]]:
-    """The curve's points up to `fraction` of the row's horizon (its rungs sit at 1/27, 1/9, 1/3 and 1)."""
-    limit = fraction * row["horizon_samples"] * 1.001
+    """The curve's points up to `fraction` of the row's horizon (its rungs sit at 1/27, 1/9, 1/3 and 1, each rounded
+    to whole global batches on its own, by up to 2.5% at the first: 25% of slack keeps a rung rounded up, and the
+    short trial's point, 2.25x past the rung below it, out)."""
+    limit = fraction * row["horizon_samples"] * 1.25
     return [p for p in sorted(row["points"], key=lambda p: p["samples"]) if p["samples"] <= limit]
 
 
@@ -223,22 +206,70 @@ def _halving(rows: list[dict[str, Any]], by_prediction: bool, eta: int = 3) -> t
 
         def score(row: dict[str, Any], fraction: float = fraction) -> float:
             seen = _until(row, fraction)
-            return _extrapolated(seen, row["horizon_samples"]) if by_prediction else seen[-1]["quality"]
+            return extrapolate(seen, row["horizon_samples"]) if by_prediction else seen[-1]["quality"]
 
         alive = sorted(alive, key=score, reverse=True)[: max(1, math.ceil(len(alive) / eta))]
     cost += len(alive) * (1 - done)
     return max(alive, key=lambda r: r["points"][-1]["quality"]), cost
 
 
-def replay_horizon(rows: list[dict[str, Any]], seeds: int = 10) -> dict[str, Any]:
+def truncated(rows: list[dict[str, Any]], fraction: float) -> list[dict[str, Any]]:
+    """The table for a horizon `fraction` of the measured one: each curve's points up to there (its rungs at 1/27,
+    1/9 and 1/3 are a third of the horizon's 1/9, 1/3 and 1)."""
+    out = []
+    for row in rows:
+        points = _until(row, fraction)
+        out.append({**row, "points": points, "horizon_samples": points[-1]["samples"]})
+    return out
+
+
+def _rung_quality(row: dict[str, Any], share: float) -> float:
+    return _until(row, share)[-1]["quality"]
+
+
+def _tuned_at_horizon(space: SearchSpace, rows: list[dict[str, Any]], seed: int) -> tuple[dict[str, Any], float]:
+    """`raytrm tune` on a space with a horizon, replayed: the space's sampler over the learning knobs, each trial
+    trained to the horizon and evaluated at its rungs, where the space's pruner may stop it.
+    Returns the best completed trial's row and the training it cost, in horizons."""
+    from raytrm.tune.curves import horizon_rungs
+    from raytrm.tune.search import make_pruner
+
+    table = {_key(r["params"]): r for r in rows}
+    learning = {k: p for k, p in space.parsed.items() if not is_speed_knob(k)}
+    rungs = horizon_rungs(space.budget.evaluations)
+
+    def run(values: dict[str, Any]) -> dict[str, Any]:
+        row = table[_key(values)]
+        early = [(number, _rung_quality(row, share)) for share, number in rungs[:-1]]
+        return {"status": "ok", "quality": _rung_quality(row, 1.0), "intermediate": early}
+
+    study = optuna.create_study(direction="maximize", sampler=make_sampler(space, seed), pruner=make_pruner(space))
+    optimize(study, learning, run, space.trials, "quality")
+    cost = 0.0
+    for t in study.trials:
+        if t.state == optuna.trial.TrialState.PRUNED:
+            cost += max(t.intermediate_values) / rungs[-1][1]
+        else:
+            cost += 1.0
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    best = max(done, key=lambda t: t.value)
+    return table[_key(best.params)], cost
+
+
+def replay_horizon(rows: list[dict[str, Any]], space: SearchSpace | None = None, seeds: int = 10) -> dict[str, Any]:
     """Each method's pick as a fraction of the best quality at the horizon, and what it cost in horizons of
     training (a horizon = one config trained for the whole horizon).
 
-    - short budget: every config for the space's trial budget, the best there picked (today's `raytrm tune`);
-    - halving by quality so far: successive halving on the quality reached at each rung;
-    - raytrm: the same rungs, promoting the configs whose curves predict the best quality at the horizon;
-    - random at horizon: as many random configs trained to the horizon as raytrm's cost pays for (rounded up), the
-      best picked; its fraction is the median over seeds.
+    - short budget: every config for the space's trial budget, the best there picked (`raytrm tune` without a
+      horizon);
+    - short budget, extrapolated: the same trials, the config whose curve so far, extrapolated in log samples,
+      predicts the best quality at the horizon;
+    - successive halving by quality so far / by extrapolation: every config starts, the best third goes on at 1/9
+      and 1/3 of the horizon (ranked by the quality reached, or by the extrapolated quality), one trains to the end;
+    - raytrm: `raytrm tune` with the space's horizon (its sampler, trials to the horizon, successive-halving pruner
+      at the rungs), median over seeds;
+    - random at horizon: as many random configs trained to the horizon as raytrm's median cost pays for (rounded
+      up), the best picked; median over seeds.
     """
     import random
 
@@ -248,55 +279,78 @@ def replay_horizon(rows: list[dict[str, Any]], seeds: int = 10) -> dict[str, Any
     def fraction(row: dict[str, Any]) -> float:
         return truth[_key(row["params"])] / optimum
 
-    short_pick = max(rows, key=lambda r: next(p["quality"] for p in r["points"] if p["samples"] >= r["short_samples"]))
-    short_cost = sum(r["short_samples"] / r["horizon_samples"] for r in rows)
+    def short_points(row: dict[str, Any]) -> list[dict[str, Any]]:
+        return [p for p in sorted(row["points"], key=lambda p: p["samples"]) if p["samples"] <= row["short_samples"]]
+
+    short_pick = max(rows, key=lambda r: short_points(r)[-1]["quality"])
+    short_cost = sum(min(1.0, r["short_samples"] / r["horizon_samples"]) for r in rows)
+    predicted_pick = max(rows, key=lambda r: extrapolate(short_points(r), r["horizon_samples"]))
     naive, naive_cost = _halving(rows, by_prediction=False)
-    ours, our_cost = _halving(rows, by_prediction=True)
-    draws = max(1, math.ceil(our_cost))
-    randoms = []
-    for seed in range(seeds):
-        picked = random.Random(seed).sample(rows, min(draws, len(rows)))
-        randoms.append(max(fraction(r) for r in picked))
-    best = max(rows, key=lambda r: truth[_key(r["params"])])
-    return {
-        "grid": len(rows),
-        "optimum": optimum,
-        "optimum_params": best["params"],
-        "methods": {
-            "short budget (today)": {
-                "fraction": fraction(short_pick),
-                "cost": short_cost,
-                "params": short_pick["params"],
-            },
-            "halving by quality so far": {"fraction": fraction(naive), "cost": naive_cost, "params": naive["params"]},
-            "raytrm (halving by predicted horizon quality)": {
-                "fraction": fraction(ours),
-                "cost": our_cost,
-                "params": ours["params"],
-            },
-            f"random at horizon ({draws} configs, median of {seeds} seeds)": {
-                "fraction": statistics.median(randoms),
-                "cost": float(draws),
-                "params": None,
-            },
+    predicted_halving, predicted_cost = _halving(rows, by_prediction=True)
+    methods: dict[str, dict[str, Any]] = {
+        "short budget (no horizon)": {
+            "fraction": fraction(short_pick),
+            "cost": short_cost,
+            "params": short_pick["params"],
+        },
+        "short budget, extrapolated to the horizon": {
+            "fraction": fraction(predicted_pick),
+            "cost": short_cost,
+            "params": predicted_pick["params"],
+        },
+        "successive halving by quality so far": {
+            "fraction": fraction(naive),
+            "cost": naive_cost,
+            "params": naive["params"],
+        },
+        "successive halving by extrapolation": {
+            "fraction": fraction(predicted_halving),
+            "cost": predicted_cost,
+            "params": predicted_halving["params"],
         },
     }
+    budget_cost = predicted_cost
+    if space is not None:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        tuned = [_tuned_at_horizon(space, rows, seed) for seed in range(seeds)]
+        budget_cost = statistics.median(c for _, c in tuned)
+        methods[f"raytrm tune to the horizon ({space.trials} trials, median of {seeds} seeds)"] = {
+            "fraction": statistics.median(fraction(r) for r, _ in tuned),
+            "cost": budget_cost,
+            "params": None,
+            "optimum_found": sum(fraction(r) == 1.0 for r, _ in tuned),
+            "seeds": seeds,
+        }
+    draws = max(1, math.ceil(budget_cost))
+    randoms = [
+        max(fraction(r) for r in random.Random(seed).sample(rows, min(draws, len(rows)))) for seed in range(seeds)
+    ]
+    methods[f"random at horizon ({draws} configs, median of {seeds} seeds)"] = {
+        "fraction": statistics.median(randoms),
+        "cost": float(draws),
+        "params": None,
+        "optimum_found": sum(f == 1.0 for f in randoms),
+        "seeds": seeds,
+    }
+    best = max(rows, key=lambda r: truth[_key(r["params"])])
+    return {"grid": len(rows), "optimum": optimum, "optimum_params": best["params"], "methods": methods}
 
 
 def format_horizon(out: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"{'params':<40} {'samples/s':>9} {'short q':>8} {'horizon q':>9} {'+-':>6}"]
     for r in rows:
-        short = next(p for p in r["points"] if p["samples"] >= r["short_samples"])
+        short = [p for p in r["points"] if p["samples"] <= r["short_samples"]][-1]
         last = r["points"][-1]
         lines.append(
             f"{json.dumps(r['params']):<40} {r['samples_per_sec']:>9.1f} {short['quality']:>8.4f} "
             f"{last['quality']:>9.4f} {last.get('stderr') or 0:>6.4f}"
         )
     lines.append(f"grid {out['grid']} learning configs, optimum at the horizon {out['optimum']:.4f}")
-    lines.append(f"{'method':<54} {'best/optimum':>12} {'cost (horizons)':>15}  pick")
+    lines.append(f"{'method':<60} {'best/optimum':>12} {'optimum':>8} {'cost (horizons)':>15}  pick")
     for name, m in out["methods"].items():
         pick = json.dumps(m["params"]) if m["params"] else ""
-        lines.append(f"{name:<54} {m['fraction']:>12.3f} {m['cost']:>15.2f}  {pick}")
+        found = f"{m['optimum_found']}/{m['seeds']}" if "seeds" in m else ("yes" if m["fraction"] == 1.0 else "no")
+        lines.append(f"{name:<60} {m['fraction']:>12.3f} {found:>8} {m['cost']:>15.2f}  {pick}")
     return "\n".join(lines)
 
 
@@ -394,7 +448,10 @@ def cmd(args: Any) -> int:
 
 
 def _curves_cmd(args: Any, path: Path) -> int:
-    """--curves: measure (with --measure) or read the learning-curve table, then replay the methods on it."""
+    """--curves: measure (with --measure) or read the learning-curve table, then replay the methods on it, at the
+    measured horizon and at a third of it (the table's points reach both)."""
+    from raytrm.tune.space import space_from_dict
+
     if args.measure:
         space = load_space(args.space or "horizon")
         rows = measure_curves(space, path)
@@ -407,8 +464,21 @@ def _curves_cmd(args: Any, path: Path) -> int:
         if "curves" not in doc:
             raise UserError(f"{path}: not a learning-curve table (no 'curves'); measure one with --curves --measure")
         rows = doc["curves"]
-    out = replay_horizon(rows, seeds=args.seeds)
-    print(format_horizon(out, rows))
+        space = load_space(args.space) if args.space else space_from_dict(doc["space"], str(path))
+    learning = sorted(k for k in space.parsed if not is_speed_knob(k))
+    if any(sorted(r["params"]) != learning for r in rows):
+        raise UserError(
+            f"{path}: its learning configs are not those of space {space.name} ({', '.join(learning)}); replay "
+            "with the space the table was measured for"
+        )
+    outs = {}
+    measured = horizon_of(space) or {}
+    for share in (1.0, 1 / 3):
+        name = ", ".join(f"{v * share:g} {k}" for k, v in measured.items()) or f"{share:.3g} of the measured horizon"
+        table = rows if share == 1.0 else truncated(rows, share)
+        outs[name] = replay_horizon(table, space, seeds=args.seeds)
+        print(f"-- horizon {name}{' (as measured)' if share == 1.0 else ' (a third of the measured one)'} --")
+        print(format_horizon(outs[name], table))
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        Path(args.json).write_text(json.dumps(outs, indent=2))
     return 0

@@ -128,6 +128,9 @@ def resolve_experiment(
         # The profile's limits are the tier's: they bound the run unless its training section says otherwise.
         base["training"]["memory_budget_mb"] = base["training"]["memory_budget_mb"] or profile.limits.memory_budget_mb
         base["training"]["thermal_cap"] = base["training"]["thermal_cap"] or profile.limits.thermal_cap
+        if {"steps", "time_budget_s"} & set(overrides.get("training", {})):
+            # The profile trains for the horizon it was tuned for, unless told otherwise: then only as told.
+            base["training"].update(steps=None, time_budget_s=None)
         source = profile_file
     elif config_file:
         base = tier_fill(cfg.to_dict(cfg.load(cfg.ExperimentConfig, config_file)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +26,18 @@ SPEED_FIELDS = (
     "training.interop_threads",
     "training.dataloader_workers",
 )
+
+
+#: The factor between a horizon's rungs: a successive-halving pruner keeps the best third at each.
+HORIZON_ETA = 3
+
+
+def horizon_rungs(evaluations: int, eta: int = HORIZON_ETA) -> list[tuple[float, int]]:
+    """Where a trial trained to the horizon is evaluated: (share of the horizon, evaluation number) for each,
+    eta times apart and the last at the horizon; the number is the share in units of the first rung (1, 3, 9 for
+    three), the resource a successive-halving pruner counts in."""
+    first = eta ** (evaluations - 1)
+    return [(eta**k / first, eta**k) for k in range(evaluations)]
 
 
 def is_speed_knob(name: str) -> bool:
@@ -100,3 +113,23 @@ def quality_at(points: Sequence[dict[str, Any]], samples: float) -> float | None
     if math.isclose(samples, ordered[-1]["samples"], rel_tol=1e-9):
         return ordered[-1]["quality"]
     return None
+
+
+def extrapolate(points: Sequence[dict[str, Any]], samples: float) -> float:
+    """The quality a curve predicts at `samples`: the least-squares line through its points in log(samples), never
+    below the last point and at most 1; the last point's quality where there is one point or `samples` is not
+    beyond it.
+
+    Deeper recursion learns slower at first and keeps learning longer: the slope, not the level, says so, and a line
+    through every point so far is steadier than the last two (each has its evaluation noise).
+    """
+    ordered = sorted(points, key=lambda p: p["samples"])
+    last = ordered[-1]
+    if len(ordered) < 2 or samples <= last["samples"]:
+        return last["quality"]
+    xs = [math.log(p["samples"]) for p in ordered]
+    ys = [p["quality"] for p in ordered]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread if spread else 0.0
+    return min(1.0, max(last["quality"], my + slope * (math.log(samples) - mx)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from raytrm import config as cfg
 from raytrm.errors import UserError
 from raytrm.tune import objectives
 from raytrm.tune.progress import format_params
-from raytrm.tune.space import space_from_dict
+from raytrm.tune.space import horizon_of, space_from_dict
 from raytrm.tune.tuner import PROFILES_DIR, TUNE_FILE, VERIFY_DIR, trial_resources
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,9 @@ def verify_best(run_dir: Path, tier: str) -> dict[str, Any] | None:
             attrs["experiment"],
             memory_budget_mb=attrs.get("memory_budget_mb"),
             thermal_cap=attrs.get("thermal_cap"),
-            **space.measure_args(space.verify_s),
+            # The verification re-measures speed, memory and heat in the verification window; with a horizon the
+            # trial's quality is the one reached there, which a shorter run does not re-measure.
+            **{**space.measure_args(space.verify_s), "horizon": None},
         )
     )
     result["trial"] = best[0].number
@@ -86,12 +89,23 @@ def build_profile(run_dir: Path, tier: str) -> cfg.Profile:
     experiment = json.loads(json.dumps(attrs["experiment"]))
     training = experiment["training"]
     if not training.get("steps") and not training.get("time_budget_s"):
-        # A profile must train as given: the verification window is the run length measured; --time-budget changes it.
-        training["time_budget_s"] = space.budget.warmup_s + space.verify_s
+        # A profile trains for the horizon it was tuned for (--steps or --time-budget change it); a space without a
+        # horizon was tuned for its trial's length, so that is what the profile trains for.
+        horizon = space.horizon
+        if horizon.samples is not None:
+            training["steps"] = math.ceil(horizon.samples / training["global_batch_size"])
+        else:
+            training["time_budget_s"] = (
+                horizon.minutes * 60 if horizon.minutes is not None else space.budget.warmup_s + space.verify_s
+            )
     names = objectives.metric_names(space.objective)
     objective: dict[str, Any] = dict(zip(names, trial.values, strict=True))
     objective.update(
-        objective=space.objective, quality=attrs.get("quality"), throughput_decay=attrs.get("throughput_decay")
+        objective=space.objective,
+        quality=attrs.get("quality"),
+        horizon_samples=attrs.get("horizon_samples"),
+        throughput_decay=attrs.get("throughput_decay"),
+        horizon=horizon_of(space),
     )
     verify_path = run_dir / VERIFY_DIR / f"{tier}.json"
     if verify_path.is_file():
@@ -100,7 +114,7 @@ def build_profile(run_dir: Path, tier: str) -> cfg.Profile:
             objective.update(
                 verify_samples_per_sec=v.get("samples_per_sec"),
                 verify_peak_memory_mb=v.get("peak_memory_mb"),
-                verify_quality=v.get("quality"),
+                verify_quality=None if horizon_of(space) else v.get("quality"),
                 verify_status=v.get("status"),
             )
     hardware = {k: v for k, v in (attrs.get("hardware") or {}).items() if k in cfg.HardwareSummary.__annotations__}
@@ -152,7 +166,9 @@ def format_table(run_dir: str | Path) -> str:
     state = _state(run_dir)
     for tier in state["tiers"]:
         best, space, _ = ranked(run_dir, tier)
-        lines.append(f"tier {tier}  ({len(best)} feasible trials, objective {space.objective})")
+        horizon = ", ".join(f"{v:g} {k}" for k, v in cfg.to_dict(space.horizon).items() if v is not None)
+        at = f" at the horizon ({horizon})" if horizon and space.objective != "throughput" else ""
+        lines.append(f"tier {tier}  ({len(best)} feasible trials, objective {space.objective}{at})")
         lost = state.get("lost_tiers", {}).get(tier)
         if lost:
             lines.append(
@@ -178,9 +194,10 @@ def format_table(run_dir: str | Path) -> str:
         verify = run_dir / VERIFY_DIR / f"{tier}.json"
         if verify.is_file():
             v = json.loads(verify.read_text())
+            quality = "" if horizon_of(space) else f"  quality {v.get('quality', 0):.4g}"
             lines.append(
                 f"  verified : samples/s {v.get('samples_per_sec', 0):.1f}  peak "
-                f"{v.get('peak_memory_mb', 0):.0f} MiB  quality {v.get('quality', 0):.4g}  ({v.get('status')})"
+                f"{v.get('peak_memory_mb', 0):.0f} MiB{quality}  ({v.get('status')})"
             )
         profile = run_dir / PROFILES_DIR / f"{tier}.yaml"
         if profile.is_file():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from fractions import Fraction
 from typing import Any, TextIO
 
 from ray.tune import Callback
@@ -26,10 +27,17 @@ def trial_line(result: dict[str, Any], objective: str) -> str:
     values = objectives.objective_values(result, objective)
     names = objectives.metric_names(objective)
     shown = " ".join(f"{n}={v:.4g}" for n, v in zip(names, values, strict=True))
+    curve = result.get("curve") or []
+    if curve and curve[-1].get("stderr"):
+        shown += f" +-{curve[-1]['stderr']:.2g}"
+    if result.get("horizon_samples"):
+        shown += f" at the horizon ({result['horizon_samples']:,} samples)"
     budget = result.get("memory_budget_mb")
     peak = f"{result.get('peak_memory_mb') or 0:.0f}" + (f"/{budget:.0f}" if budget else "")
     status = "feasible" if not violated else "INFEASIBLE(" + ",".join(violated) + ")"
-    if result.get("final") is False:
+    if result.get("final") is False and result.get("horizon_share"):
+        status = f"pruned at {Fraction(result['horizon_share']).limit_denominator(1000)} of the horizon"
+    elif result.get("final") is False:
         status = f"pruned at evaluation {result.get('evaluation')}"
     line = (
         f"[{result.get('tier', '?')} #{result.get('trial_number', '?')}] {status} {shown} "

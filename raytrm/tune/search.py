@@ -18,8 +18,9 @@ from typing import Any
 import optuna
 
 from raytrm.tune import objectives
+from raytrm.tune.curves import HORIZON_ETA
 from raytrm.tune.params import ParamSpec, suggest
-from raytrm.tune.space import SearchSpace
+from raytrm.tune.space import SearchSpace, horizon_of
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ KEPT = (
     "thermal_max",
     "throughput_decay",
     "quality",
+    "horizon_samples",
+    "curve",
     "steps",
     "measure_seconds",
     "memory_budget_mb",
@@ -67,6 +70,9 @@ def make_pruner(space: SearchSpace) -> optuna.pruners.BasePruner:
     """The space's pruner: it decides at a trial's intermediate evaluations whether the trial goes on."""
     if space.pruner == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=space.n_startup)
+    if space.pruner == "successive_halving" and horizon_of(space):
+        # Evaluations at 1/9, 1/3 and all of the horizon are numbered 1, 3 and 9: the best third goes on at each.
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=HORIZON_ETA)
     if space.pruner == "successive_halving":
         return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
     return optuna.pruners.NopPruner()

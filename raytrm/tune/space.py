@@ -37,12 +37,18 @@ class Budget:
     """How long each trial runs, in wall-clock seconds."""
 
     warmup_s: float = spec(5.0, "training before measuring (compilation, allocator, caches)", ge=0)
-    measure_s: float = spec(20.0, "measured window: samples/s, peak memory, heat and throughput decay", gt=0)
+    measure_s: float = spec(
+        20.0,
+        "measured window: samples/s, peak memory, heat and throughput decay; with a horizon the trial trains to the "
+        "horizon and measures from the warm-up to its end instead",
+        gt=0,
+    )
     eval_puzzles: int | None = spec(64, "test puzzles evaluated at the end of a trial; None = the whole split", ge=1)
     evaluations: int = spec(
         1,
         "evaluations in the measured window, evenly spaced, the last at its end (their time is not counted); a "
-        "pruner compares trials at the earlier ones",
+        "pruner compares trials at the earlier ones. With a horizon they sit 3x apart, the last at the horizon "
+        "(1/3 and 1 for two; 1/9, 1/3 and 1 for three)",
         ge=1,
     )
     verify_s: float | None = spec(
@@ -112,8 +118,9 @@ class SearchSpace:
     budget: Budget = spec(Budget(), "wall-clock budget of each trial")
     horizon: Horizon = spec(
         Horizon(),
-        "the training the profile is for, {minutes: N} or {samples: N}; neither = the trial's own budget, which "
-        "favours whatever learns fastest in seconds",
+        "the training the profile is for, {minutes: N} or {samples: N}: each trial trains that long and is judged "
+        "by the quality it reaches there (a pruner may stop it at an earlier evaluation), and the profile trains "
+        "that long; neither = the trial's budget, which favours whatever learns fastest in seconds",
     )
     trials: int = spec(12, "trials per tier", ge=1)
     startup_trials: int | None = spec(None, "random trials before the model-based sampler; None = trials / 4", ge=1)
@@ -150,6 +157,7 @@ class SearchSpace:
             "decay_window": self.budget.decay_window,
             "max_throughput_decay": self.limits.max_throughput_decay,
             "quality_metric": self.quality_metric,
+            "horizon": horizon_of(self),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -157,6 +165,11 @@ class SearchSpace:
         out = cfg.to_dict(self)
         out.pop("source"), out.pop("parsed")
         return out
+
+
+def horizon_of(space: SearchSpace) -> dict[str, float] | None:
+    """The space's horizon as {minutes: N} or {samples: N}; None when it names none."""
+    return {k: v for k, v in cfg.to_dict(space.horizon).items() if v is not None} or None
 
 
 def resolve_space_path(path: str | os.PathLike | None) -> Path:
@@ -247,7 +260,7 @@ def _check_tiers(space: SearchSpace, source: str) -> None:
     named = [(f"tiers[{i}]", name) for i, name in enumerate(space.tiers)]
     named += [(f"limits.tiers.{name}", name) for name in space.limits.tiers]
     for path, name in named:
-        if name not in known and not fnmatch.fnmatchcase(str(name), GENERIC_TIER_GLOB):
+        if not isinstance(name, str) or (name not in known and not fnmatch.fnmatchcase(name, GENERIC_TIER_GLOB)):
             raise ConfigError(
                 source,
                 path,

@@ -75,23 +75,34 @@ def measure(
     eval_puzzles: int | None = 64,
     decay_window: float = 0.25,
     evaluations: int = 1,
+    horizon: dict[str, float] | None = None,
     report: Callable[[dict[str, Any]], None] | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
     thermal_reader: Any = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Any]:
-    """Train the experiment for warm-up + measured window and return the trial's measurements (never raises).
+    """Train the experiment and return the trial's measurements (never raises).
 
-    With evaluations > 1 the window is evaluated at evenly spaced points before its end too, and each of those
-    partial results goes to report (which a pruner may answer by stopping the trial). Evaluation time is taken off
-    the clock, so every trial trains for the same wall-clock window whatever it evaluates. progress, if given, gets
-    the window's measurements so far every PROGRESS_S (no evaluation), so a trial whose machine is lost mid-window
-    is recorded with what it measured.
+    Without a horizon the trial trains for warm-up + measured window. With evaluations > 1 the window is evaluated
+    at evenly spaced points before its end too, and each of those partial results goes to report (which a pruner may
+    answer by stopping the trial). Evaluation time is taken off the clock, so every trial trains for the same
+    wall-clock window whatever it evaluates. progress, if given, gets the window's measurements so far every
+    PROGRESS_S (no evaluation), so a trial whose machine is lost mid-window is recorded with what it measured.
+
+    With a horizon ({minutes: N} or {samples: N}: how long the user will train with the profile) the trial trains
+    for the horizon itself, and its quality is the quality reached there: a 15-second trial favours the configs that
+    learn fastest at first, which are not the ones that are best after the user's training (short-horizon bias).
+    The evaluations sit at the rungs of raytrm.tune.curves.horizon_rungs (1/9, 1/3 and all of the horizon for
+    three), each reported as evaluation 1, 3 and 9 (its share of the horizon in ninths), so a successive-halving
+    pruner stops most trials at a ninth of the horizon and only the best reach its end. Every evaluation is a point
+    of the trial's learning curve ("curve": samples seen, quality and its standard error). Throughput, memory and
+    heat are measured over the whole run after the warm-up: a long window shows the heat a short one misses.
     """
     from raytrm.hardware.thermal import ThermalReader
     from raytrm.train import memory as memory_model
     from raytrm.train.peak import PeakMemory
     from raytrm.train.trainer import Trainer
+    from raytrm.tune.curves import horizon_rungs
 
     result: dict[str, Any] = {
         "status": "ok",
@@ -111,17 +122,40 @@ def measure(
     hottest: str | None = None
     trainer = None
     budget_bytes = memory_budget_mb * MiB if memory_budget_mb else math.inf
-    off_clock = 0.0  # seconds spent evaluating inside the window, which the window does not count
+    off_clock = 0.0  # seconds spent evaluating, which the run's clock does not count
+    # (share of the run, evaluation number) of each evaluation, the last at the run's end
+    rungs = horizon_rungs(evaluations) if horizon else [((k + 1) / evaluations, k + 1) for k in range(evaluations)]
+    curve: list[dict[str, Any]] = []
 
     def now() -> float:
         return clock() - off_clock
+
+    start = now()
+    peak = 0
+    window: list[tuple[float, int]] = []  # (end time, samples) of each measured step
+    warmup: list[tuple[float, int]] = []  # the same before the window (a horizon may end inside the warm-up)
+    window_start: float | None = None
+
+    def evaluate() -> dict[str, Any]:
+        scores = _evaluate(trainer, config, micro, eval_puzzles, quality_metric)
+        stderr = scores["eval"].get(f"{quality_metric}_se")
+        curve.append({"samples": trainer.samples_seen, "quality": scores["quality"], "stderr": stderr})
+        return {**scores, "curve": list(curve)} if horizon else scores
 
     try:
         config = cfg.from_dict(cfg.ExperimentConfig, experiment, "<trial>")
         trainer = Trainer(config)
         micro = config.training.micro_batch
-        start = now()
-        peak = 0
+        start = now()  # the trainer is built: training starts
+
+        def position(t: float) -> float:
+            """How far through the run, 0 to 1."""
+            if horizon and horizon.get("samples"):
+                return trainer.samples_seen / horizon["samples"]
+            if horizon:
+                return (t - start) / (horizon["minutes"] * 60)
+            return (t - window_start) / measure_s if window_start is not None else 0.0
+
         # Memory pre-check: fit the memory model on two small cuts of the same global batch (real training steps,
         # part of the warm-up), predict the asked micro-batch, and stop before a step the machine cannot hold.
         if memory_budget_mb and micro >= PROBE_MIN_MICRO:
@@ -138,29 +172,29 @@ def measure(
             if predicted > budget_bytes:
                 result.update(status="over_budget", peak_memory_mb=predicted / MiB, steps=trainer.step)
                 return result
-        window: list[tuple[float, int]] = []  # (end time, samples) of each measured step
-        window_start = None
         last_progress = 0.0
-        evaluated = 0  # evaluations done inside the window, before its end
+        evaluated = 0  # evaluations done before the run's end
         while True:
             t = now()
             if window_start is None and t - start >= warmup_s:
                 window_start = last_progress = t
                 hottest = _hotter(hottest, thermal.read().get("thermal_state"))
-            if window_start is not None and t - window_start >= measure_s:
+            if position(t) >= 1:
                 break
             if (
-                report is not None
-                and window_start is not None
-                and evaluated + 1 < evaluations
-                and t - window_start >= (evaluated + 1) * measure_s / evaluations
+                (report is not None or horizon)
+                and evaluated + 1 < len(rungs)
+                and position(t) >= rungs[evaluated][0]
+                and (window_start is not None or horizon)
             ):
-                evaluated += 1
                 paused = clock()
-                partial = {**result, **_window_figures(window, window_start, peak, trainer, decay_window)}
-                partial.update(_evaluate(trainer, config, micro, eval_puzzles, quality_metric))
+                partial = {**result, **_run_figures(window, window_start, warmup, start, peak, trainer, decay_window)}
+                partial.update(evaluate())
                 off_clock += clock() - paused
-                report({**partial, "evaluation": evaluated, "final": False})
+                if report is not None:
+                    share = {"horizon_share": rungs[evaluated][0]} if horizon else {}
+                    report({**partial, "evaluation": rungs[evaluated][1], "final": False, **share})
+                evaluated += 1
             if progress is not None and window_start is not None and window and t - last_progress >= PROGRESS_S:
                 last_progress = t
                 progress(
@@ -169,10 +203,9 @@ def measure(
             with PeakMemory(trainer.device.type) as pm:
                 step = trainer.train_step()
             peak = max(peak, pm.bytes)
-            if window_start is not None:
-                window.append((now(), step.samples))
-                if len(window) % 10 == 0:
-                    hottest = _hotter(hottest, thermal.read().get("thermal_state"))
+            (window if window_start is not None else warmup).append((now(), step.samples))
+            if window_start is not None and len(window) % 10 == 0:
+                hottest = _hotter(hottest, thermal.read().get("thermal_state"))
             if peak > budget_bytes:
                 result["status"] = "over_budget"
                 break
@@ -184,12 +217,16 @@ def measure(
                 result["status"] = "too_hot"  # stop: the constraint is violated and the machine should cool
                 break
         hottest = _hotter(hottest, thermal.read().get("thermal_state"))
-        result.update(_window_figures(window, window_start, peak, trainer, decay_window))
+        result.update(_run_figures(window, window_start, warmup, start, peak, trainer, decay_window))
         if result["status"] == "ok":
-            result.update(_evaluate(trainer, config, micro, eval_puzzles, quality_metric))
-        result.update(evaluation=evaluations, final=True)
+            result.update(evaluate())
+            if horizon:
+                result["horizon_samples"] = trainer.samples_seen
+        result.update(evaluation=rungs[-1][1], final=True)
     except Exception as exc:  # a failed trial reports what it measured, with the reason, and the study goes on
         logger.warning("trial failed: %s: %s", type(exc).__name__, exc)
+        if trainer is not None:  # what it measured before it failed is its measurement
+            result.update(_run_figures(window, window_start, warmup, start, peak, trainer, decay_window))
         result.update(status="failed", error=f"{type(exc).__name__}: {exc}")
     finally:
         if trainer is not None:
@@ -197,6 +234,21 @@ def measure(
     result["thermal_max"] = hottest or "unknown"
     result["ended_at"] = time.time()
     return result
+
+
+def _run_figures(
+    window: list[tuple[float, int]],
+    window_start: float | None,
+    warmup: list[tuple[float, int]],
+    start: float,
+    peak: int,
+    trainer: Any,
+    decay_window: float,
+) -> dict[str, Any]:
+    """The window's figures; a run that ended inside its warm-up is measured over all of it."""
+    if window or not warmup:
+        return _window_figures(window, window_start, peak, trainer, decay_window)
+    return _window_figures(warmup, start, peak, trainer, decay_window)
 
 
 def _window_figures(

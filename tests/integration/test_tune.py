@@ -68,13 +68,18 @@ def complete(s: optuna.Study) -> list:
 
 def test_study_exports_a_profile_that_trains(ray_cluster, tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(["tune", "--space", str(space_file(tmp_path, "small")), "--out", str(run)]) == 0
+    assert (
+        main(["tune", "--space", str(space_file(tmp_path, "small", horizon={"samples": 64})), "--out", str(run)]) == 0
+    )
     out = capsys.readouterr().out
     assert out.count(f"[{TIER_A} #") == 3 and "verified" in out and "runner-up" in out
     profile_path = run / "profiles" / f"{TIER_A}.yaml"
     profile = cfg.load_profile(profile_path)
     assert profile.tier == TIER_A and profile.limits.memory_budget_mb == 5632  # tiers.yaml's row
     assert profile.measured.samples_per_sec > 0 and profile.measured.objective["verify_samples_per_sec"] > 0
+    # It trains for the space's horizon: 64 samples are 4 steps of 16.
+    assert (profile.training.steps, profile.training.time_budget_s) == (4, None)
+    assert profile.measured.objective["horizon"] == {"samples": 64}
     assert len(complete(study(run, f"small-{TIER_A}"))) == 3
     assert {p.name for p in (run / "plots").iterdir()} >= {f"{TIER_A}-history.png", f"{TIER_A}-importances.png"}
     # optuna's own CLI reads the study

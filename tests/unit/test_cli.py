@@ -11,6 +11,7 @@ import pytest
 
 from raytrm import __version__
 from raytrm.cli import main
+from raytrm.constants import spaces_dir
 
 
 def test_version(capsys):
@@ -43,6 +44,12 @@ def test_validate_shows_the_resolved_config(tmp_path, capsys):
     assert "valid training config" in out and "global_batch_size: 64" in out
 
 
+def test_validate_reads_a_search_space(capsys):
+    assert main(["validate", str(spaces_dir() / "quick.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "valid search space, 4 parameters" in out and "horizon:\n  minutes: 1.0" in out
+
+
 @pytest.mark.parametrize(
     "text, piece",
     [
@@ -55,6 +62,7 @@ def test_validate_shows_the_resolved_config(tmp_path, capsys):
             "limits.thermal_cap: got 'toasty', expected one of",
         ),
         ("raytrm_tiers: 1\ntiers:\n  - {name: a, memory_budget_mb: 0}\n", "tiers[0].memory_budget_mb: got 0"),
+        ("raytrm_space: 1\nparams: {}\nhorizon: {minutes: 1, samples: 9}\n", "params: got {}, expected at least one"),
     ],
 )
 def test_bad_files_exit_2_with_one_line(tmp_path, capsys, text, piece):

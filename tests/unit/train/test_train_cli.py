@@ -62,7 +62,10 @@ def test_resume_refusals(tiny, tmp_path, capsys):
 
 
 def test_train_with_a_profile_uses_exactly_its_settings(tiny, tmp_path):
-    experiment = tiny(training={"global_batch_size": 16, "micro_batch_size": 8, "grad_accum_steps": 2})
+    # The profile trains for its horizon (600 s) unless told otherwise: --steps 2 replaces the horizon.
+    experiment = tiny(
+        training={"global_batch_size": 16, "micro_batch_size": 8, "grad_accum_steps": 2, "time_budget_s": 600}
+    )
     profile = cfg.Profile(
         tier="test-tier",
         model=experiment.model,
@@ -76,7 +79,7 @@ def test_train_with_a_profile_uses_exactly_its_settings(tiny, tmp_path):
     used = cfg.load(cfg.ExperimentConfig, run / "config.yaml")
     assert used.model == profile.model and used.data == profile.data
     limits = {"memory_budget_mb": 2000, "thermal_cap": "fair"}  # from the profile's limits
-    assert cfg.to_dict(used.training) == {**cfg.to_dict(profile.training), "steps": 2, **limits}
+    assert cfg.to_dict(used.training) == {**cfg.to_dict(profile.training), "steps": 2, "time_budget_s": None, **limits}
 
 
 def test_bad_data_path_is_one_line(tmp_path, capsys):

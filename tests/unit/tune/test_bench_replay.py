@@ -59,6 +59,7 @@ def test_a_profile_is_compared_with_the_tier_defaults_side_by_side(tmp_path, cap
     quick = tmp_path / "quick.yaml"
     doc = cfg.read_yaml(load_space("quick").source)
     doc["budget"] = {"warmup_s": 0.2, "measure_s": 0.5, "eval_puzzles": 16, "evaluations": 2}
+    doc["horizon"] = {"samples": 96}  # both sides train as long, three steps, and are judged there
     cfg.write_yaml(doc, quick)
     out_json = tmp_path / "out.json"
     assert (

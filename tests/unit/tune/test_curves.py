@@ -8,11 +8,11 @@ import statistics
 import pytest
 
 from raytrm import config as cfg
-from raytrm.bench.tune import _extrapolated, replay_horizon
+from raytrm.bench.tune import replay_horizon, truncated
 from raytrm.errors import ConfigError
 from raytrm.train.tasks import _standard_error
 from raytrm.train.trainer import Trainer
-from raytrm.tune.curves import is_speed_knob, learning_curve, quality_at, rungs
+from raytrm.tune.curves import extrapolate, is_speed_knob, learning_curve, quality_at, rungs
 from raytrm.tune.space import space_from_dict
 from raytrm.tune.trial import _evaluate
 
@@ -66,11 +66,12 @@ def test_horizon_is_minutes_or_samples_not_both():
         space_from_dict({**base, "horizon": {"minutes": 3, "samples": 10}}, "<test>")
 
 
-def curve(rate, qualities, horizon=2700, batch=32, short=0.1):
-    """A table row whose rungs sit at 1/27, 1/9, 1/3 and 1 of its horizon, plus the short trial's point."""
+def curve(h, rate, qualities, horizon=2700, batch=32, short=0.1):
+    """A table row for H_cycles h whose rungs sit at 1/27, 1/9, 1/3 and 1 of its horizon, plus the short trial's
+    point (at a tenth of it)."""
     at = rungs(horizon, batch, extra=[round(short * horizon)])
     return {
-        "params": {"q": qualities[-1]},
+        "params": {"model.H_cycles": h},
         "samples_per_sec": rate,
         "horizon_samples": at[-1],
         "short_samples": max(batch, round(short * horizon / batch) * batch),
@@ -78,30 +79,70 @@ def curve(rate, qualities, horizon=2700, batch=32, short=0.1):
     }
 
 
-def test_replay_exposes_short_horizon_bias_and_the_prediction_avoids_it():
-    # Points at 1/27, short (1/10), 1/9, 1/3 and the horizon. "fast" leads early and flattens; "deep" starts lower
-    # and keeps climbing (the shape measured for H1 L1 against H3 L3); "poor" is worse throughout.
+def space(trials: int, evaluations: int = 3):
+    return space_from_dict(
+        {
+            "raytrm_space": 1,
+            "params": {"model.H_cycles": {"type": "int", "low": 1, "high": 3}},
+            "budget": {"evaluations": evaluations},
+            "pruner": "successive_halving",
+            "horizon": {"minutes": 3},
+            "trials": trials,
+        },
+        "<test>",
+    )
+
+
+def test_replay_exposes_short_horizon_bias():
+    # Points at 1/27, the short trial (1/10), 1/9, 1/3 and the horizon. H1 leads early and flattens; H3 starts lower
+    # and keeps climbing (the shape measured for H1 L1 against H3 L3), passing H1 before a third of the horizon;
+    # H2 is worse throughout.
     rows = [
-        curve(400, [0.60, 0.62, 0.63, 0.70, 0.72]),  # fast
-        curve(150, [0.35, 0.47, 0.50, 0.65, 0.80]),  # deep
-        curve(300, [0.45, 0.50, 0.51, 0.55, 0.58]),  # poor
+        curve(1, 400, [0.60, 0.62, 0.63, 0.66, 0.72]),
+        curve(3, 150, [0.35, 0.47, 0.50, 0.68, 0.80]),
+        curve(2, 300, [0.45, 0.50, 0.51, 0.55, 0.58]),
     ]
-    out = replay_horizon(rows, seeds=5)
+    out = replay_horizon(rows, space(trials=6), seeds=5)
     methods = out["methods"]
-    assert out["optimum"] == 0.80 and out["optimum_params"] == {"q": 0.80}
-    assert methods["short budget (today)"]["params"] == {"q": 0.72}
-    assert methods["halving by quality so far"]["params"] == {"q": 0.72}
-    assert methods["raytrm (halving by predicted horizon quality)"]["params"] == {"q": 0.80}
-    assert methods["raytrm (halving by predicted horizon quality)"]["fraction"] == 1.0
-    # 3 configs for 1/9 of the horizon, 1 on to the horizon: 3/9 + 8/9.
-    assert methods["raytrm (halving by predicted horizon quality)"]["cost"] == pytest.approx(3 / 9 + 8 / 9)
+    assert out["optimum"] == 0.80 and out["optimum_params"] == {"model.H_cycles": 3}
+    assert methods["short budget (no horizon)"]["params"] == {"model.H_cycles": 1}
+    assert methods["successive halving by quality so far"]["params"] == {"model.H_cycles": 1}
+    # Each config for a tenth of the horizon (the short trial), rounded to batches: 256 / 2688 samples each.
+    assert methods["short budget (no horizon)"]["cost"] == pytest.approx(3 * 256 / 2688)
+    # Every config to a ninth, the best on to the horizon: 3/9 + 8/9.
+    assert methods["successive halving by quality so far"]["cost"] == pytest.approx(3 / 9 + 8 / 9)
+    tuned = methods["raytrm tune to the horizon (6 trials, median of 5 seeds)"]
+    assert 1 <= tuned["cost"] < 6 and 0 < tuned["fraction"] <= 1
+
+
+def test_raytrm_replay_finds_the_optimum_when_the_lead_holds_and_its_cost_counts_the_rungs():
+    rows = [
+        curve(1, 400, [0.30, 0.40, 0.42, 0.50, 0.60]),
+        curve(2, 300, [0.40, 0.50, 0.52, 0.60, 0.70]),
+        curve(3, 150, [0.50, 0.60, 0.62, 0.70, 0.80]),
+    ]
+    out = replay_horizon(rows, space(trials=9), seeds=5)
+    tuned = out["methods"]["raytrm tune to the horizon (9 trials, median of 5 seeds)"]
+    assert tuned["fraction"] == 1.0 and tuned["optimum_found"] == 5
+    # At least one trial reaches the horizon; every pruned one costs a ninth or a third.
+    assert 1 < tuned["cost"] < 9 and (tuned["cost"] * 9) == pytest.approx(round(tuned["cost"] * 9))
+    # Random search trained to the horizon gets as many horizons as raytrm's median cost.
+    (random_name,) = [n for n in out["methods"] if n.startswith("random")]
+    assert out["methods"][random_name]["cost"] == math.ceil(tuned["cost"])
+
+
+def test_a_third_of_the_horizon_is_the_table_up_to_its_third_rung():
+    row = curve(1, 400, [0.60, 0.62, 0.63, 0.66, 0.72])
+    (third,) = truncated([row], 1 / 3)
+    assert [p["quality"] for p in third["points"]] == [0.60, 0.62, 0.63, 0.66]
+    assert third["horizon_samples"] == 896
 
 
 def test_extrapolation_follows_the_log_slope_and_stays_in_bounds():
     points = [{"samples": 100, "quality": 0.5}, {"samples": 1000, "quality": 0.6}]
-    assert _extrapolated(points, 10_000) == pytest.approx(0.7)
+    assert extrapolate(points, 10_000) == pytest.approx(0.7)
     noisy = [*points, {"samples": 10_000, "quality": 0.72}]  # least squares: slope 0.11 per decade, through the mean
-    assert _extrapolated(noisy, 100_000) == pytest.approx(0.6067 + 0.11 * 2, abs=1e-3)
-    assert _extrapolated(points, 10**30) == 1.0
+    assert extrapolate(noisy, 100_000) == pytest.approx(0.6067 + 0.11 * 2, abs=1e-3)
+    assert extrapolate(points, 10**30) == 1.0
     falling = [{"samples": 100, "quality": 0.6}, {"samples": 1000, "quality": 0.5}]
-    assert _extrapolated(falling, 10_000) == 0.5
+    assert extrapolate(falling, 10_000) == 0.5

@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+import pytest
+
 from raytrm import config as cfg
+from raytrm.train.trainer import Trainer
 from raytrm.tune import objectives
 from raytrm.tune.space import build_experiment, load_space
 from raytrm.tune.trial import measure
 
 
-def _run(experiment: dict, evaluations: int) -> tuple[dict, list[dict]]:
+class StepClock:
+    """A clock that moves only with training steps (step_s each): evaluations take no time on it, and a loaded
+    machine cannot change how many steps fall in a window."""
+
+    def __init__(self, monkeypatch, step_s: float = 0.1) -> None:
+        self.t = 0.0
+        train_step = Trainer.train_step
+
+        def timed(trainer):
+            out = train_step(trainer)
+            self.t += step_s
+            return out
+
+        monkeypatch.setattr(Trainer, "train_step", timed)
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _run(
+    experiment: dict, evaluations: int, horizon: dict | None = None, clock: StepClock | None = None
+) -> tuple[dict, list[dict]]:
     partials: list[dict] = []
     result = measure(
         experiment,
@@ -19,21 +43,24 @@ def _run(experiment: dict, evaluations: int) -> tuple[dict, list[dict]]:
         max_throughput_decay=1.0,
         eval_puzzles=16,
         evaluations=evaluations,
+        horizon=horizon,
         report=partials.append,
+        **({"clock": clock} if clock else {}),
     )
     return result, partials
 
 
-def test_a_trm_trial_reports_its_evaluations_before_the_end_and_measures_the_window():
+def test_a_trm_trial_reports_its_evaluations_before_the_end_and_measures_the_window(monkeypatch):
     space = load_space("quick")
     experiment = cfg.to_dict(build_experiment(space.base, {"model.H_cycles": 1, "model.L_cycles": 1}))
     experiment["training"]["threads"] = 1
-    result, partials = _run(experiment, evaluations=3)
+    result, partials = _run(experiment, evaluations=3, clock=StepClock(monkeypatch, 0.1))
     assert result["status"] == "ok" and result["final"] is True and result["evaluation"] == 3
     assert [p["evaluation"] for p in partials] == [1, 2] and all(p["final"] is False for p in partials)
     assert all(0 <= p["quality"] <= 1 and p["samples_per_sec"] > 0 for p in partials)
-    # Evaluation time is off the clock: the window the throughput is measured over is the budget's.
-    assert 1.2 <= result["measure_seconds"] < 1.2 + 1.0 and result["samples_per_sec"] > 0
+    # 2 steps of warm-up, then a 1.2 s window of 12 steps of 0.1 s, the evaluations at 0.4 and 0.8 s of it.
+    assert result["steps"] == 14 and result["measure_seconds"] == pytest.approx(1.2)
+    assert result["samples_per_sec"] == pytest.approx(12 * 32 / 1.2)
     assert "tokens_per_sec" not in result
 
 
@@ -49,3 +76,33 @@ def test_a_language_model_trial_measures_tokens_per_second_and_throughput_counts
     assert result["status"] == "ok", result.get("error")
     assert result["tokens_per_sec"] == result["samples_per_sec"] * 32 > 0
     assert objectives.objective_values(result, "throughput") == [result["tokens_per_sec"]]
+
+
+def test_with_a_horizon_the_trial_trains_to_it_and_is_evaluated_at_its_rungs():
+    space = load_space("quick")
+    experiment = cfg.to_dict(build_experiment(space.base, {"model.H_cycles": 1, "model.L_cycles": 1}))
+    experiment["training"].update(threads=1, global_batch_size=32, micro_batch_size=32)
+    result, partials = _run(experiment, evaluations=3, horizon={"samples": 576})
+    assert result["status"] == "ok", result.get("error")
+    # Evaluated at a ninth and a third of the horizon (numbered in ninths, as a successive-halving pruner counts),
+    # then at the horizon: 576 samples are 18 steps of 32.
+    assert [(p["evaluation"], p["horizon_share"]) for p in partials] == [(1, 1 / 9), (3, 1 / 3)]
+    assert result["evaluation"] == 9 and result["final"] is True
+    curve = result["curve"]
+    assert [p["samples"] for p in curve] == [64, 192, 576] and result["horizon_samples"] == 576
+    assert [p["quality"] for p in partials] == [p["quality"] for p in curve[:2]]
+    assert result["quality"] == curve[-1]["quality"] and all(p["stderr"] > 0 for p in curve)
+    assert result["steps"] == 18 and result["samples_per_sec"] > 0
+
+
+def test_a_horizon_in_minutes_is_training_time_without_the_evaluations(monkeypatch):
+    space = load_space("quick")
+    experiment = cfg.to_dict(build_experiment(space.base, {"model.H_cycles": 1, "model.L_cycles": 1}))
+    experiment["training"].update(threads=1, global_batch_size=32, micro_batch_size=32)
+    result, partials = _run(experiment, evaluations=2, horizon={"minutes": 0.03}, clock=StepClock(monkeypatch))
+    assert result["status"] == "ok", result.get("error")
+    # 1.8 s of training are 18 steps of 0.1 s, evaluated at a third (step 6) and at the end.
+    assert [p["evaluation"] for p in partials] == [1] and result["evaluation"] == 3
+    assert [p["samples"] for p in result["curve"]] == [6 * 32, 18 * 32] and result["steps"] == 18
+    # The window runs from the end of the 0.2 s warm-up to the horizon.
+    assert result["measure_seconds"] == pytest.approx(1.6)
