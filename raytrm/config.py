@@ -307,6 +307,14 @@ class Profile:
 
     def validate(self, source: str, prefix: str = "") -> None:
         check_model_data(self.model, self.data, source)
+        if self.limits.memory_budget_mb < 1:  # left out: the default 0 is no budget, and would not read back
+            raise ConfigError(
+                source,
+                "limits.memory_budget_mb",
+                None,
+                "the tier's memory budget in MiB (>= 1)",
+                "add limits: {memory_budget_mb: N}, or export the profile again with `raytrm export RUN_DIR`",
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import reprlib
+
+#: How a received value is shown in an error: a few items of each container, short strings, a few levels deep.
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxlong, _SHORT.maxother = 2, 60, 40, 60
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 5
+
 
 class UserError(Exception):
     """Bad input from the user: a file, a flag, a dataset, an address.
@@ -23,7 +30,8 @@ class ConfigError(UserError):
         self.source, self.path, self.received, self.expected, self.fix = source, path, received, expected, fix
         where = f"{source}: {path}" if path else source
         tail = f"; fix: {fix}" if fix else ""
-        super().__init__(f"{where}: got {received!r}, expected {expected}{tail}")
+        # Shortened: a value of a million items (or a YAML alias bomb) is no clearer, and would take forever to show.
+        super().__init__(f"{where}: got {_SHORT.repr(received)}, expected {expected}{tail}")
 
     def __reduce__(self) -> tuple:
         # Rebuilt from its fields, so it crosses process boundaries (a Ray worker's error reaching the driver).

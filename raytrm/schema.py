@@ -186,13 +186,22 @@ def describe(cls: type) -> dict[str, str]:
 # YAML files
 
 
+#: Bounds of a YAML file's data. No raytrm file comes near them; deeper or larger data (an alias bomb: each use of
+#: an alias counts) would exhaust the stack or the time of the code that walks it.
+MAX_DEPTH, MAX_VALUES = 64, 100_000
+
+
 def read_yaml(path: str | os.PathLike) -> Any:
     """Parse a YAML file; a missing or malformed file is a UserError naming the file and the line."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{p}: no such file; check the path")
+    too_big = (
+        f"{p}: data nested deeper than {MAX_DEPTH} levels or of more than {MAX_VALUES} values (each use of an alias"
+        " counts); no raytrm file needs that: check the file"
+    )
     try:
-        return yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -200,12 +209,25 @@ def read_yaml(path: str | os.PathLike) -> Any:
         raise UserError(f"{p}: malformed YAML{where}: {problem}; fix the syntax there") from None
     except UnicodeDecodeError:
         raise UserError(f"{p}: not a text file; expected UTF-8 YAML") from None
+    except RecursionError:
+        raise UserError(too_big) from None
+    except OSError as e:
+        raise UserError(f"{p}: cannot read it ({e.strerror}); check its permissions") from None
+    stack, count = [(data, 1)], 0
+    while stack:  # iterative, so the check itself cannot exhaust the stack
+        node, depth = stack.pop()
+        count += 1
+        if depth > MAX_DEPTH or count > MAX_VALUES:
+            raise UserError(too_big)
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return data
 
 
 def read_versioned_yaml(path: str | os.PathLike, key: str, version: int, fix: str) -> Any:
     """Parse a YAML file that must carry `key: version` (a profile, a space); fix says what to do when it does not."""
     data = read_yaml(path)
-    if isinstance(data, dict) and key not in data:
+    if not isinstance(data, dict) or key not in data:  # an empty file too: not a profile of all defaults
         raise ConfigError(str(path), key, None, f"schema version {version}", fix)
     return data
 

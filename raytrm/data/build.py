@@ -207,7 +207,7 @@ def open_dataset(path: str | Path, *, check_values: bool = True) -> tuple[Puzzle
         )
     train = PuzzleDataset(root, "train", check_values=check_values)
     test = PuzzleDataset(root, "test", check_values=check_values)
-    for name in ("seq_len", "vocab_size", "pad_id", "ignore_label_id"):
+    for name in ("seq_len", "vocab_size", "pad_id", "ignore_label_id", "num_puzzle_identifiers"):
         a, b = getattr(train.metadata, name), getattr(test.metadata, name)
         if a != b:
             raise UserError(

@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 IGNORE_LABEL = -100
 ARRAY_FIELDS = ("inputs", "labels", "puzzle_identifiers", "puzzle_indices", "group_indices")
 INDEX_DTYPE = np.int32
+#: dataset.json fields that size the model: zero tokens, positions or puzzle identifiers (0 is <blank>) cannot be.
+POSITIVE_FIELDS = ("vocab_size", "seq_len", "num_puzzle_identifiers")
 
 
 def rebuild_hint(root: str | Path) -> str:
@@ -76,10 +78,11 @@ class PuzzleMetadata:
                     "a number > 0",
                 )
             else:
-                ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or (
+                least = 1 if name in POSITIVE_FIELDS else 0
+                ok = (isinstance(value, int) and not isinstance(value, bool) and value >= least) or (
                     name == "ignore_label_id" and value is None
                 )
-                expected = "an integer >= 0" + (" or null" if name == "ignore_label_id" else "")
+                expected = f"an integer >= {least}" + (" or null" if name == "ignore_label_id" else "")
             if not ok:
                 raise UserError(f"{source}: field {name!r}: got {value!r}, expected {expected}; {fix}")
         return cls(**{n: data[n] for n in names})
@@ -123,15 +126,20 @@ def read_metadata(split_dir: str | Path) -> PuzzleMetadata:
         )
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: brackets nested too deeply
         raise UserError(f"{path}: not readable JSON ({exc}); {rebuild_hint(split_dir.parent)}") from exc
     return PuzzleMetadata.from_json(data, str(path))
 
 
 def group_membership(puzzle_indices: np.ndarray, group_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Which puzzle each example belongs to [N] and which group each puzzle belongs to [P], both int32."""
-    example_puzzle = np.repeat(np.arange(len(puzzle_indices) - 1, dtype=INDEX_DTYPE), np.diff(puzzle_indices))
-    puzzle_group = np.repeat(np.arange(len(group_indices) - 1, dtype=INDEX_DTYPE), np.diff(group_indices))
+    # int64 first: np.repeat takes no uint64 counts, and a file may hold offsets of any integer type.
+    example_puzzle = np.repeat(
+        np.arange(len(puzzle_indices) - 1, dtype=INDEX_DTYPE), np.diff(puzzle_indices.astype(np.int64))
+    )
+    puzzle_group = np.repeat(
+        np.arange(len(group_indices) - 1, dtype=INDEX_DTYPE), np.diff(group_indices.astype(np.int64))
+    )
     return example_puzzle, puzzle_group
 
 
@@ -140,6 +148,8 @@ def _check_offsets(source: str, name: str, offsets: np.ndarray, end: int, end_na
         raise UserError(
             f"{source}: {name}: got shape {offsets.shape} {offsets.dtype}, expected 1-D integer offsets; {fix}"
         )
+    # As int64: differences of unsigned offsets would wrap around; a uint64 beyond int64 turns negative, refused below.
+    offsets = offsets.astype(np.int64)
     if offsets[0] != 0 or offsets[-1] != end or np.any(np.diff(offsets) < 0):
         raise UserError(
             f"{source}: {name}: got offsets from {offsets[0]} to {offsets[-1]}"
@@ -172,8 +182,11 @@ class PuzzleDataset:
                 )
             try:
                 arrays[name] = np.load(path, mmap_mode="r" if name in ("inputs", "labels") else None)
-            except (OSError, ValueError) as exc:
+            except Exception as exc:  # numpy raises whatever its header parser meets (EOFError, TokenError, ...)
                 raise UserError(f"{path}: not a readable .npy file ({exc}); {rebuild_hint(self.root)}") from exc
+            if not isinstance(arrays[name], np.ndarray):  # an .npz archive under the .npy name
+                arrays[name].close()
+                raise UserError(f"{path}: an .npz archive, expected one .npy array; {rebuild_hint(self.root)}")
         self.inputs, self.labels = arrays["inputs"], arrays["labels"]
         self.puzzle_identifiers = arrays["puzzle_identifiers"]
         self.puzzle_indices, self.group_indices = arrays["puzzle_indices"], arrays["group_indices"]
@@ -184,6 +197,13 @@ class PuzzleDataset:
         meta, inputs, labels = self.metadata, self.inputs, self.labels
         json_path = f"{self.root / self.split}/dataset.json"
         fix = rebuild_hint(self.root)
+        for name in ("inputs", "labels", "puzzle_identifiers"):
+            dtype = getattr(self, name).dtype
+            if not np.issubdtype(dtype, np.integer):
+                raise UserError(
+                    f"{where}{name}.npy: got dtype {dtype}, expected integers (the reference writes uint8 or int32);"
+                    f" {fix}"
+                )
         if inputs.ndim != 2 or inputs.shape[1] != meta.seq_len:
             raise UserError(
                 f"{where}inputs.npy: got shape {inputs.shape}, expected [N, {meta.seq_len}] (seq_len in {json_path});"
@@ -193,10 +213,12 @@ class PuzzleDataset:
             raise UserError(
                 f"{where}labels.npy: got shape {labels.shape}, expected {inputs.shape} like inputs.npy; {fix}"
             )
-        n_puzzles = len(self.puzzle_indices) - 1
+        if not len(inputs):  # nothing to train on or evaluate: the batch stream would divide by zero
+            raise UserError(f"{where}inputs.npy: got no examples, expected at least one; {fix}")
         _check_offsets(
             f"{where}puzzle_indices.npy", "puzzle offsets", self.puzzle_indices, len(inputs), "examples", fix
         )
+        n_puzzles = len(self.puzzle_indices) - 1
         _check_offsets(f"{where}group_indices.npy", "group offsets", self.group_indices, n_puzzles, "puzzles", fix)
         n_groups = len(self.group_indices) - 1
         ids = self.puzzle_identifiers
@@ -227,7 +249,7 @@ class PuzzleDataset:
                 f"{json_path}: mean_puzzle_examples: got {meta.mean_puzzle_examples}, expected {mean:g} examples per"
                 f" puzzle from puzzle_indices.npy; {fix}"
             )
-        if check_values and len(inputs):
+        if check_values:
             allowed = () if meta.ignore_label_id is None else (meta.ignore_label_id,)
             for source, tokens, ok in ((f"{where}inputs.npy", inputs, ()), (f"{where}labels.npy", labels, allowed)):
                 low, high = int(tokens.min()), int(tokens.max())

@@ -92,6 +92,16 @@ def from_reference_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[st
     return out
 
 
+def _is_weight(value: object) -> bool:
+    """A tensor that loads into a parameter: dense, real floating point, with its data (not a meta tensor)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.layout == torch.strided
+        and not value.is_meta
+    )
+
+
 def save_reference_checkpoint(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write model's weights as a reference checkpoint (what its pretrain.py saves and loads)."""
     p = Path(path)
@@ -116,8 +126,10 @@ def load_reference_checkpoint(path: str | os.PathLike, model: nn.Module, resize_
             f"{p}: not a readable PyTorch checkpoint ({type(e).__name__}); expected a state dict saved by the "
             "TinyRecursiveModels pretrain.py"
         ) from None
-    if not isinstance(raw, Mapping) or not all(isinstance(v, torch.Tensor) for v in raw.values()):
-        raise UserError(f"{p}: not a state dict of tensors; expected a TinyRecursiveModels TRM checkpoint")
+    if not isinstance(raw, Mapping) or not all(isinstance(k, str) and _is_weight(v) for k, v in raw.items()):
+        raise UserError(
+            f"{p}: not a state dict of names to floating-point tensors; expected a TinyRecursiveModels TRM checkpoint"
+        )
     try:
         ours = from_reference_state_dict(raw)
     except UserError as e:

@@ -8,6 +8,7 @@ pressure, out-of-memory errors), so tests script them.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -181,10 +182,12 @@ class MemoryGovernor:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._current, self.target = int(state["current"]), state["target"]
+        target = state["target"]
+        self._current, self.target = int(state["current"]), None if target is None else int(target)
         self._points = [(int(b), int(p)) for b, p in state["points"]]
         self._probe = [int(b) for b in state["probe"]]
         self._calm_steps, self.peak_bytes = int(state["calm_steps"]), int(state["peak_bytes"])
+        json.dumps(state["events"])  # they go to summary.json: refuse what could not (a TypeError) before training
         self.events = list(state["events"])
         if self._points and not self._probe:
             self._refit()

@@ -8,6 +8,7 @@ size and the checksum before unpickling anything, and unpickles with `weights_on
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -15,6 +16,7 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import torch
 
 from raytrm import __version__
 from raytrm.errors import UserError
+from raytrm.train.oom import is_out_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -48,17 +51,27 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int, kee
         "raytrm_version": __version__,
     }
     final = checkpoint_path(directory, step)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{final.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{final.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(json.dumps(header).encode() + b"\n")
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if not isinstance(e, OSError):
+            raise
+        # A full disk (or a read-only or vanished directory): the previous checkpoint is untouched, and resumable.
+        kept = [p for p in list_checkpoints(directory) if p != final]
+        previous = f"the previous checkpoint {kept[-1].name} is kept" if kept else "there is no earlier checkpoint"
+        raise UserError(
+            f"{final}: cannot write the checkpoint ({e.strerror or e}); {previous}; free space in {directory} (or make"
+            f" it writable), then resume with `raytrm train --out {directory.parent} --resume`"
+        ) from None
     _fsync_dir(directory)
     if keep:
         for old in list_checkpoints(directory)[:-keep]:
@@ -98,12 +111,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     line, _, payload = raw.partition(b"\n")
     try:
         header = json.loads(line)
-        assert isinstance(header, dict) and "raytrm_checkpoint" in header
-    except (ValueError, AssertionError):
+    except (ValueError, RecursionError):  # RecursionError: a line of deeply nested brackets
+        header = None
+    if not isinstance(header, dict) or "raytrm_checkpoint" not in header:
         raise UserError(
             f"{path}: not a raytrm checkpoint (no header line); point --resume at a run directory "
             "written by `raytrm train`"
-        ) from None
+        )
     if header["raytrm_checkpoint"] != CHECKPOINT_FORMAT:
         raise UserError(
             f"{path}: checkpoint format {header['raytrm_checkpoint']}, this raytrm reads "
@@ -122,8 +136,39 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             f"{path}: checkpoint payload cannot be read ({type(e).__name__}); it was written by "
             f"raytrm {header.get('raytrm_version', 'unknown')}"
         ) from None
-    state["_header"] = header
+    if not isinstance(state, dict):
+        raise UserError(
+            f"{path}: checkpoint payload is a {type(state).__name__}, not the state dict raytrm writes; it was written"
+            f" by raytrm {header.get('raytrm_version', 'unknown')}"
+        )
+    state["_header"] = {**header, "path": str(path)}
     return state
+
+
+#: What restoring a state of another shape raises: a key missing, a value of another type, size or count.
+_CONTENT_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, ZeroDivisionError)
+
+
+@contextlib.contextmanager
+def restoring(state: dict[str, Any]) -> Iterator[None]:
+    """Restore a loaded checkpoint's state inside this: contents that do not fit the run are one line naming it.
+
+    The checksum only says the file is the one written; a checkpoint from a foreign or broken writer can still hold
+    the wrong keys or shapes, and what that raises deep inside torch is no message for a person.
+    """
+    try:
+        yield
+    except _CONTENT_ERRORS as e:
+        if is_out_of_memory(e):
+            raise
+        header = state.get("_header") or {}
+        detail = " ".join(str(e).split())
+        detail = detail if len(detail) <= 160 else detail[:160] + "..."
+        raise UserError(
+            f"{header.get('path', 'checkpoint')}: its contents do not fit this run ({type(e).__name__}: {detail});"
+            f" it was written by raytrm {header.get('raytrm_version', 'unknown')}: delete it to resume from an"
+            " earlier checkpoint, or start afresh"
+        ) from None
 
 
 def latest_good_checkpoint(directory: str | Path) -> dict[str, Any] | None:

@@ -37,7 +37,8 @@ def export_reference(run_dir: str | Path, out: str | Path, ema: bool = True) -> 
     if state is None:
         raise UserError(f"{run_dir}: no checkpoint to export; train first")
     trainer = Trainer(experiment, run_dir)
-    trainer.load_state_dict(state)
+    with ckpt.restoring(state):
+        trainer.load_state_dict(state)
     if ema and trainer.ema is not None:
         trainer.ema.copy_to(trainer.model)
     with torch.no_grad():

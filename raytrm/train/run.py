@@ -85,10 +85,11 @@ def run_training(
                 f"{run_dir}: nothing to resume, no checkpoint in {run_dir / CHECKPOINT_DIR}; "
                 "drop --resume to start afresh"
             )
-        trainer.load_state_dict(state)
-        peers.load_state_dict(state.get("shares_balancer"))
-        if governor is not None and rank0 and state.get("memory_governor"):
-            governor.load_state_dict(state["memory_governor"])
+        with ckpt.restoring(state):
+            trainer.load_state_dict(state)
+            peers.load_state_dict(state.get("shares_balancer"))
+            if governor is not None and rank0 and state.get("memory_governor"):
+                governor.load_state_dict(state["memory_governor"])
         resumed_from = trainer.step
         logger.info("resumed %s at step %d", run_dir, trainer.step)
     if rank0:

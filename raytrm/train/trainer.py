@@ -371,9 +371,9 @@ class Trainer:
                     f"run's own config (see its config.yaml)"
                 )
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        _load_optimizer(self.optimizer, state["optimizer"])
         if self.sparse_optimizer and state["sparse_optimizer"]:
-            self.sparse_optimizer.load_state_dict(state["sparse_optimizer"])
+            _load_optimizer(self.sparse_optimizer, state["sparse_optimizer"])
         if self.ema and state["ema"]:
             self.ema.load_state_dict(state["ema"])
         # On as many workers as saved: the same split and cuts, so the same sums in the same order. On another
@@ -388,6 +388,45 @@ class Trainer:
         self.cuts = cut(self.local_batch, int(micro[self.sync.rank] if same_workers else micro[0]))
         self.step = int(state["step"])
         self.samples_seen = int(state["samples_seen"])
+        if self.step < 0 or self.samples_seen < 0:  # the batch stream is a function of the step: no negative ones
+            raise ValueError(f"step {self.step} and samples_seen {self.samples_seen}: expected counts >= 0")
         torch.set_rng_state(state["rng"]["torch"])
         self.task.load_rng_state(state["rng"])
         self._batches = None  # restart the batch stream at the resumed step
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """optimizer.load_state_dict, then the checks torch leaves to the first step, which would fail deep inside it.
+
+    Numeric hyperparameters stay numbers (lr, eps) or tuples of as many numbers (betas); every parameter's state
+    holds the same keys, each a scalar or a tensor of the parameter's shape.
+    """
+    before = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for old, group in zip(before, optimizer.param_groups, strict=True):
+        for key, value in old.items():
+            new = group.get(key, value)
+            if _number(value) and not _number(new):
+                raise TypeError(f"optimizer hyperparameter {key!r}: got {new!r}, expected a number")
+            if isinstance(value, tuple) and not (
+                isinstance(new, (tuple, list)) and len(new) == len(value) and all(map(_number, new))
+            ):
+                raise ValueError(f"optimizer hyperparameter {key!r}: got {new!r}, expected {len(value)} numbers")
+    keys = None
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            saved = optimizer.state.get(param)
+            if not saved:
+                continue
+            keys = set(saved) if keys is None else keys
+            if set(saved) != keys:
+                raise KeyError(f"optimizer state of a parameter holds {sorted(saved)}, the others {sorted(keys)}")
+            for key, value in saved.items():
+                if _number(value) or (isinstance(value, torch.Tensor) and value.shape in ((), param.shape)):
+                    continue
+                what = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"optimizer state {key!r} of a {tuple(param.shape)} parameter: got {what}")

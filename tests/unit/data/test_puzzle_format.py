@@ -192,7 +192,7 @@ def test_split_directory_given_instead_of_the_dataset(built: Path) -> None:
     "changes,message",
     [
         ({"seq_len": None}, r"dataset\.json: missing field 'seq_len'.*expected the fields pad_id, ignore_label_id"),
-        ({"seq_len": "81"}, r"field 'seq_len': got '81', expected an integer >= 0"),
+        ({"seq_len": "81"}, r"field 'seq_len': got '81', expected an integer >= 1"),
         ({"sets": []}, r"field 'sets': got \[\], expected a non-empty list"),
         ({"seq_len": 80}, r"all__inputs\.npy: got shape \(8, 81\), expected \[N, 80\] \(seq_len in .*dataset\.json\)"),
         ({"total_puzzles": 99}, r"total_puzzles: got 99, expected 8 from puzzle_indices\.npy \(or 4"),
