@@ -235,6 +235,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from raytrm.report import write_report
+
+    print(write_report(args.run_dir, out=args.out).text)
+    return 0
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     from raytrm.distributed import cluster_commands as cluster
 
@@ -407,6 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tier", help="the tier to export (default: every tuned tier, into RUN_DIR/profiles/)")
     p.add_argument("--out", metavar="FILE", help="profile file to write (with --tier)")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("report", help="plot a training run and say what limited it, or show a tuning run's results")
+    p.add_argument("run_dir", help="a `raytrm train` or `raytrm tune` run directory")
+    p.add_argument("--out", metavar="DIR", help="where to write the plots and the text (default: RUN_DIR/report)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("import-checkpoint", help="load a TRM reference checkpoint into a new raytrm run")
     p.add_argument("checkpoint", help="a state_dict saved by the reference (keys _orig_mod.model.inner.*)")

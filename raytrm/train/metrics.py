@@ -11,6 +11,8 @@ from typing import Any, TextIO
 
 import psutil
 
+from raytrm.train.tensorboard import open_sink
+
 
 class MetricsLog:
     """Appends one JSON line per logging step; on resume, drops the lines past the resumed step."""
@@ -24,13 +26,19 @@ class MetricsLog:
             kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = self.path.open("a")
+        self._sink = open_sink(self.path.parent, resume_step)  # TensorBoard's view of the same lines, if installed
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(_plain(record)) + "\n")
+        plain = _plain(record)
+        self._file.write(json.dumps(plain) + "\n")
         self._file.flush()
+        if self._sink is not None:
+            self._sink.write(plain)
 
     def close(self) -> None:
         self._file.close()
+        if self._sink is not None:
+            self._sink.close()
 
 
 def _step_of(line: str) -> float:

@@ -1,0 +1,161 @@
+"""A training run directory as the report reads it: the config, the lines of metrics.jsonl, summary.json if any.
+
+metrics.jsonl holds two kinds of lines (raytrm/train/run.py): step lines (`step`, `samples_per_sec`, loss and the
+task's metrics, `lr`, `rss_mb`, `peak_rss_mb`, `cpu_percent`, a thermal reading, evaluation scores every
+eval_interval steps, and with several workers a `workers` list of per-rank rows) and event lines (`step`, `event`:
+the memory governor's choose / shrink / grow / out-of-memory, the thermal guard's thermal-*, rebalance; a worker's
+own events carry its `rank`). No line holds a clock time, so the time axis is rebuilt from what each line says: the
+samples of its window over the window's samples/s, i.e. seconds spent in training steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from raytrm import config as cfg
+from raytrm.errors import UserError
+from raytrm.train.run import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunRecord:
+    """What one training run recorded, with its step lines on a samples and a training-time axis."""
+
+    run_dir: Path
+    config: cfg.ExperimentConfig
+    steps: list[dict[str, Any]]  # step lines, in file order
+    events: list[dict[str, Any]]  # event lines, in file order
+    summary: dict[str, Any] | None  # None when the run did not finish (killed, or still running)
+    samples: np.ndarray  # samples trained at each step line
+    time_s: np.ndarray  # seconds spent in training steps at each step line
+    notes: list[str] = field(default_factory=list)  # what the report should say about the record itself
+
+    @property
+    def step_numbers(self) -> np.ndarray:
+        return np.array([line["step"] for line in self.steps], dtype=float)
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(indices of the step lines that hold a number for key, those numbers)."""
+        found = [(i, line[key]) for i, line in enumerate(self.steps) if _number(line.get(key))]
+        if not found:
+            return np.array([], dtype=int), np.array([], dtype=float)
+        index, values = zip(*found, strict=True)
+        return np.array(index, dtype=int), np.array(values, dtype=float)
+
+    def time_at(self, step: float) -> float:
+        """Training seconds at the end of a step (events fall between step lines when log_interval > 1)."""
+        return float(np.interp(step, self.step_numbers, self.time_s))
+
+    def samples_at(self, step: float) -> float:
+        return float(step * self.config.training.global_batch_size)
+
+    @property
+    def worker_rows(self) -> list[tuple[int, list[dict[str, Any]]]]:
+        """(step line index, per-rank rows) of the lines that have them: runs on several workers."""
+        return [(i, line["workers"]) for i, line in enumerate(self.steps) if line.get("workers")]
+
+    @property
+    def budget_mb(self) -> float | None:
+        budget = (self.summary or {}).get("memory_budget_mb") or self.config.training.memory_budget_mb
+        return float(budget) if budget else None
+
+    @property
+    def threads(self) -> int | None:
+        used = (self.summary or {}).get("threads") or {}
+        return used.get("threads") or self.config.training.threads
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read_lines(path: Path) -> tuple[list[dict[str, Any]], int | None]:
+    """The records of a metrics.jsonl and the number of a torn last line (a run killed mid-write), which is skipped
+    with a warning; any other line that is not a JSON object with a step is refused."""
+    lines = [(n, text) for n, text in enumerate(path.read_text().splitlines(), start=1) if text.strip()]
+    records: list[dict[str, Any]] = []
+    for position, (number, text) in enumerate(lines):
+        try:
+            record = json.loads(text)
+        except ValueError as e:
+            if position == len(lines) - 1:
+                logger.warning("%s line %d: cut short (the run stopped mid-write); skipped", path, number)
+                return records, number
+            raise UserError(
+                f"{path} line {number}: not JSON ({e.msg}); the file is damaged: delete or repair that line"
+            ) from None
+        if not isinstance(record, dict) or not _number(record.get("step")):
+            raise UserError(
+                f"{path} line {number}: expected a JSON object with a numeric step, got {text[:60]!r}; the file is "
+                "not one `raytrm train` wrote: give the run directory of a training run"
+            )
+        records.append(record)
+    return records, None
+
+
+def training_time(steps: list[dict[str, Any]], global_batch: int) -> np.ndarray:
+    """Cumulative seconds in training steps at each step line: each window's samples over its samples/s."""
+    seconds, previous, total = [], 0, 0.0
+    for line in steps:
+        rate = line.get("samples_per_sec")
+        if _number(rate) and rate > 0:
+            total += (line["step"] - previous) * global_batch / rate
+        previous = line["step"]
+        seconds.append(total)
+    return np.array(seconds, dtype=float)
+
+
+def load_run(run_dir: str | Path) -> RunRecord:
+    """Read a `raytrm train` run directory; bad or missing files are refused with the fix."""
+    run_dir = Path(run_dir)
+    for name in (CONFIG_FILE, METRICS_FILE):
+        if not (run_dir / name).is_file():
+            raise UserError(
+                f"{run_dir}: no {name}, so not a complete training run directory; give the --out directory of "
+                "`raytrm train` (a run writes config.yaml and metrics.jsonl as it starts)"
+            )
+    config = cfg.load(cfg.ExperimentConfig, run_dir / CONFIG_FILE)
+    records, torn = read_lines(run_dir / METRICS_FILE)
+    steps = [r for r in records if "event" not in r]
+    if not steps:
+        raise UserError(
+            f"{run_dir / METRICS_FILE}: no step line yet; a run logs every log_interval "
+            f"({config.training.log_interval}) steps: report it once it has trained that far"
+        )
+    summary = None
+    if (run_dir / SUMMARY_FILE).is_file():
+        try:
+            summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+        except ValueError as e:
+            raise UserError(
+                f"{run_dir / SUMMARY_FILE}: not JSON ({e.msg}); delete it to report from metrics.jsonl alone"
+            ) from None
+    notes = [f"{METRICS_FILE} line {torn} was cut short (the run stopped mid-write): skipped"] if torn else []
+    last = steps[-1]["step"]
+    if summary is None:
+        notes.append(f"no {SUMMARY_FILE}: the run did not finish (killed, or still running); read from {METRICS_FILE}")
+    elif summary.get("steps") != last:
+        notes.append(
+            f"{SUMMARY_FILE} is of step {summary.get('steps')}, {METRICS_FILE} goes to step {last}: a resumed run "
+            f"did not finish; read from {METRICS_FILE}"
+        )
+        summary = None
+    global_batch = config.training.global_batch_size
+    return RunRecord(
+        run_dir=run_dir,
+        config=config,
+        steps=steps,
+        events=[r for r in records if "event" in r],
+        summary=summary,
+        samples=np.array([line["step"] * global_batch for line in steps], dtype=float),
+        time_s=training_time(steps, global_batch),
+        notes=notes,
+    )
