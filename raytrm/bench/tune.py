@@ -7,6 +7,9 @@ DeepSpeed-style probe (micro-batch raised until it no longer fits or gains < 5%,
 each get 20% of the grid's trials; the table shows, per method, the median over seeds of the best feasible
 objective found as a fraction of the grid's optimum, and how often it reached 95% of it.
 
+`--curves` measures (with --measure) each learning config's curve to the space's horizon once, then replays search
+methods judged by the quality at the horizon (see `replay_horizon`).
+
 `--profile P` instead runs a tuned profile against what a user has without tuning (the space's base settings with
 the tier's hand-written defaults from tiers.yaml), in alternation, and prints both objectives side by side.
 """
@@ -374,8 +377,9 @@ def format_replay(out: dict[str, Any]) -> str:
 def against_defaults(space: SearchSpace, profile_path: Path, repeats: int) -> dict[str, Any]:
     """The tuned profile's settings against the space's base with the tier's hand-written defaults, in alternation.
 
-    Both run as a trial does (the space's warm-up, window and evaluation); alternating the two, repeat after repeat,
-    lets a change in the machine's load reach both alike. Returns each side's runs and medians.
+    Both run as a trial does (the space's warm-up, window and evaluation; with a horizon, trained to it and judged
+    there); alternating the two, repeat after repeat, lets a change in the machine's load reach both alike. Returns
+    each side's runs and medians.
     """
     from raytrm import config as cfg
     from raytrm.tune.trial import measure, resolve_for_node
