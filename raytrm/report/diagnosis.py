@@ -63,15 +63,14 @@ def _settled(values: list[Any]) -> list[Any]:
 
 
 def peak_memory(record: RunRecord) -> tuple[float, str] | None:
-    """The highest memory the run recorded, and where it was read."""
+    """The highest memory the run's training steps reached, and where it was read: the steps' own measured peak
+    when the run finished, else the process's peak RSS from metrics.jsonl (which also counts whatever the process
+    held before training, e.g. another run in the same Python process)."""
     summary = record.summary or {}
-    candidates = []
     if summary.get("peak_step_mb"):
-        candidates.append((float(summary["peak_step_mb"]), f"step peak ({summary.get('peak_method') or 'measured'})"))
+        return float(summary["peak_step_mb"]), f"step peak ({summary.get('peak_method') or 'measured'})"
     _, peaks = record.series("peak_rss_mb")
-    if len(peaks):
-        candidates.append((float(peaks.max()), "peak RSS"))
-    return max(candidates) if candidates else None
+    return (float(peaks.max()), "peak RSS") if len(peaks) else None
 
 
 def memory_findings(record: RunRecord) -> list[Finding]:

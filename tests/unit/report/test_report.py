@@ -98,6 +98,15 @@ def test_memory_headroom_names_the_fix_that_applies(write_run):
     assert "120% of the 1000 MiB budget" in findings(over)["over the memory budget"].measured
 
 
+def test_a_finished_runs_step_peak_wins_over_the_process_peak_rss(write_run):
+    # The process's peak RSS counts what it held before training (another run in the same process, a test suite);
+    # the steps' own measured peak is the run's.
+    lines = [line(s, peak_rss_mb=900.0) for s in range(1, 5)]
+    summary = {"steps": 4, "peak_step_mb": 150.0, "peak_method": "linux-vmhwm"}
+    found = findings(write_run(lines, summary=summary, memory_budget_mb=1000))
+    assert "step peak (linux-vmhwm) 150 MiB is 15% of the 1000 MiB budget" in found["memory headroom unused"].measured
+
+
 def test_memory_pressure_and_out_of_memory_events(write_run):
     events = [
         {"step": 2, "event": "shrink", "micro_batch_from": 32, "micro_batch_to": 16, "reason": "pressure warn"},
