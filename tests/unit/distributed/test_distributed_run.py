@@ -3,9 +3,18 @@ same worker count and continues the same samples on another, and a slow worker g
 
 from __future__ import annotations
 
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
+from raytrm import config as cfg
 from raytrm.bench.distributed import slow_down
 from raytrm.distributed.launch import spawn
 from raytrm.distributed.sync import ProcessGroupSync
@@ -83,6 +92,51 @@ def test_resume_is_exact_on_the_same_workers_and_continues_on_others(tiny, tmp_p
     # Adam moves a weight by about lr a step and amplifies rounding where v is ~0: compare on that scale; the
     # states are O(1) after weights that differ by rounding (as in the one-process accumulation test).
     assert_states(state(tmp_path / "alone"), state(tmp_path / "grown"), atol=1e-2 * config.training.lr, carry_atol=1e-4)
+
+
+# A distributed run in its own process group, so one signal kills the launcher and every worker at once.
+CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from raytrm import config as cfg
+from raytrm.distributed.launch import spawn
+from test_distributed_run import run_worker
+spawn(run_worker, 2, cfg.load(cfg.ExperimentConfig, sys.argv[2]), sys.argv[3], False, [10, 22])
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_killed_at_a_random_moment_then_resumed_equals_an_uninterrupted_run(tiny, tmp_path, seed):
+    # Every worker SIGKILLed at once, a random moment after a random checkpoint (mid-step, mid-sync or mid-write),
+    # then resumed on as many workers with the same shares: the same bits as a run never stopped.
+    config = tiny(training={"steps": 12, "checkpoint_interval": 2})
+    spawn(run_worker, 2, config, tmp_path / "straight", False, [10, 22])
+    rng = random.Random(seed)
+    nth, delay = rng.randrange(1, 3), rng.uniform(0.0, 0.3)  # after the 1st or 2nd of 6 checkpoints
+    run_dir = tmp_path / "killed"
+    config_file = cfg.write_yaml(config, tmp_path / "config.yaml")
+    with open(tmp_path / "child.log", "w") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(Path(__file__).parent), str(config_file), str(run_dir)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while len(ckpt.list_checkpoints(run_dir / "checkpoints")) < nth:
+                assert child.poll() is None, (tmp_path / "child.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "no checkpoint in time"
+                time.sleep(0.02)
+            time.sleep(delay)
+        finally:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    kept = ckpt.latest_good_checkpoint(run_dir / "checkpoints")
+    assert kept is not None and 2 * nth <= kept["step"] < 12, "killed before its checkpoint, or after the run ended"
+    resumed = spawn(run_worker, 2, config, run_dir, True, [10, 22])[0]
+    assert resumed["resumed_from_step"] == kept["step"] and resumed["steps"] == 12
+    assert_states(state(tmp_path / "straight"), state(run_dir), atol=0, carry_atol=0)
 
 
 def test_a_slow_worker_gets_a_smaller_share(tiny, tmp_path):
