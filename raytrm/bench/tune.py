@@ -16,10 +16,12 @@ the tier's hand-written defaults from tiers.yaml), in alternation, and prints bo
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
 import statistics
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ import optuna
 
 from raytrm.errors import UserError
 from raytrm.tune import objectives
-from raytrm.tune.curves import extrapolate, is_speed_knob
+from raytrm.tune.curves import extrapolate, horizon_rungs, is_speed_knob
 from raytrm.tune.search import make_sampler, optimize
 from raytrm.tune.space import SearchSpace, build_experiment, horizon_of, load_space
 
@@ -234,7 +236,6 @@ def _tuned_at_horizon(space: SearchSpace, rows: list[dict[str, Any]], seed: int)
     """`raytrm tune` on a space with a horizon, replayed: the space's sampler over the learning knobs, each trial
     trained to the horizon and evaluated at its rungs, where the space's pruner may stop it.
     Returns the best completed trial's row and the training it cost, in horizons."""
-    from raytrm.tune.curves import horizon_rungs
     from raytrm.tune.search import make_pruner
 
     table = {_key(r["params"]): r for r in rows}
@@ -269,9 +270,9 @@ def replay_horizon(rows: list[dict[str, Any]], space: SearchSpace | None = None,
       predicts the best quality at the horizon;
     - successive halving by quality so far / by extrapolation: every config starts, the best third goes on at 1/9
       and 1/3 of the horizon (ranked by the quality reached, or by the extrapolated quality), one trains to the end;
-    - raytrm: `raytrm tune` with the space's horizon (its sampler, trials to the horizon, successive-halving pruner
-      at the rungs), median over seeds;
-    - random at horizon: as many random configs trained to the horizon as raytrm's median cost pays for (rounded
+    - raytrm: `raytrm tune` with the space's horizon (its sampler, trials to the horizon, its pruner at the
+      rungs), median over seeds; then the same with the other evaluation plans (pruned at 1/3 only, no pruning);
+    - random at horizon: as many random configs trained to the horizon as the space's own plan costs (rounded
       up), the best picked; median over seeds.
     """
     import random
@@ -315,15 +316,25 @@ def replay_horizon(rows: list[dict[str, Any]], space: SearchSpace | None = None,
     budget_cost = predicted_cost
     if space is not None:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        tuned = [_tuned_at_horizon(space, rows, seed) for seed in range(seeds)]
-        budget_cost = statistics.median(c for _, c in tuned)
-        methods[f"raytrm tune to the horizon ({space.trials} trials, median of {seeds} seeds)"] = {
-            "fraction": statistics.median(fraction(r) for r, _ in tuned),
-            "cost": budget_cost,
-            "params": None,
-            "optimum_found": sum(fraction(r) == 1.0 for r, _ in tuned),
-            "seeds": seeds,
-        }
+        # The space as it is, then its other evaluation plans: where a pruner may stop a trial is what decides.
+        plans = {(space.budget.evaluations, space.pruner)} | {(2, "successive_halving"), (1, "none")}
+        ordered = sorted(plans, key=lambda plan: (plan != (space.budget.evaluations, space.pruner), -plan[0]))
+        for evaluations, pruner in ordered:
+            variant = copy.deepcopy(space)
+            variant.budget.evaluations, variant.pruner = evaluations, pruner
+            tuned = [_tuned_at_horizon(variant, rows, seed) for seed in range(seeds)]
+            cost = statistics.median(c for _, c in tuned)
+            if (evaluations, pruner) == (space.budget.evaluations, space.pruner):
+                budget_cost = cost
+            shares = [Fraction(share).limit_denominator(1000) for share, _ in horizon_rungs(evaluations)[:-1]]
+            stops = f"pruned at {' and '.join(map(str, shares))}" if pruner != "none" and shares else "no pruning"
+            methods[f"raytrm tune, {space.trials} trials to the horizon, {stops} (median of {seeds} seeds)"] = {
+                "fraction": statistics.median(fraction(r) for r, _ in tuned),
+                "cost": cost,
+                "params": None,
+                "optimum_found": sum(fraction(r) == 1.0 for r, _ in tuned),
+                "seeds": seeds,
+            }
     draws = max(1, math.ceil(budget_cost))
     randoms = [
         max(fraction(r) for r in random.Random(seed).sample(rows, min(draws, len(rows)))) for seed in range(seeds)
@@ -349,11 +360,11 @@ def format_horizon(out: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"{last['quality']:>9.4f} {last.get('stderr') or 0:>6.4f}"
         )
     lines.append(f"grid {out['grid']} learning configs, optimum at the horizon {out['optimum']:.4f}")
-    lines.append(f"{'method':<60} {'best/optimum':>12} {'optimum':>8} {'cost (horizons)':>15}  pick")
+    lines.append(f"{'method':<82} {'best/optimum':>12} {'optimum':>8} {'cost (horizons)':>15}  pick")
     for name, m in out["methods"].items():
         pick = json.dumps(m["params"]) if m["params"] else ""
         found = f"{m['optimum_found']}/{m['seeds']}" if "seeds" in m else ("yes" if m["fraction"] == 1.0 else "no")
-        lines.append(f"{name:<60} {m['fraction']:>12.3f} {found:>8} {m['cost']:>15.2f}  {pick}")
+        lines.append(f"{name:<82} {m['fraction']:>12.3f} {found:>8} {m['cost']:>15.2f}  {pick}")
     return "\n".join(lines)
 
 

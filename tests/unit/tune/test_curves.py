@@ -111,8 +111,11 @@ def test_replay_exposes_short_horizon_bias():
     assert methods["short budget (no horizon)"]["cost"] == pytest.approx(3 * 256 / 2688)
     # Every config to a ninth, the best on to the horizon: 3/9 + 8/9.
     assert methods["successive halving by quality so far"]["cost"] == pytest.approx(3 / 9 + 8 / 9)
-    tuned = methods["raytrm tune to the horizon (6 trials, median of 5 seeds)"]
+    tuned = methods["raytrm tune, 6 trials to the horizon, pruned at 1/9 and 1/3 (median of 5 seeds)"]
     assert 1 <= tuned["cost"] < 6 and 0 < tuned["fraction"] <= 1
+    # The space's other evaluation plans beside it: without pruning every trial costs a whole horizon.
+    assert methods["raytrm tune, 6 trials to the horizon, no pruning (median of 5 seeds)"]["cost"] == 6
+    assert "raytrm tune, 6 trials to the horizon, pruned at 1/3 (median of 5 seeds)" in methods
 
 
 def test_raytrm_replay_finds_the_optimum_when_the_lead_holds_and_its_cost_counts_the_rungs():
@@ -122,7 +125,7 @@ def test_raytrm_replay_finds_the_optimum_when_the_lead_holds_and_its_cost_counts
         curve(3, 150, [0.50, 0.60, 0.62, 0.70, 0.80]),
     ]
     out = replay_horizon(rows, space(trials=9), seeds=5)
-    tuned = out["methods"]["raytrm tune to the horizon (9 trials, median of 5 seeds)"]
+    tuned = out["methods"]["raytrm tune, 9 trials to the horizon, pruned at 1/9 and 1/3 (median of 5 seeds)"]
     assert tuned["fraction"] == 1.0 and tuned["optimum_found"] == 5
     # At least one trial reaches the horizon; every pruned one costs a ninth or a third.
     assert 1 < tuned["cost"] < 9 and (tuned["cost"] * 9) == pytest.approx(round(tuned["cost"] * 9))
