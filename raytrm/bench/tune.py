@@ -31,7 +31,7 @@ from raytrm.errors import UserError
 from raytrm.tune import objectives
 from raytrm.tune.curves import extrapolate, horizon_rungs, is_speed_knob
 from raytrm.tune.search import make_sampler, optimize
-from raytrm.tune.space import SearchSpace, build_experiment, horizon_of, load_space
+from raytrm.tune.space import SearchSpace, build_experiment, describe_horizon, horizon_of, load_space
 
 MICRO = "training.micro_batch_size"
 
@@ -489,7 +489,7 @@ def _curves_cmd(args: Any, path: Path) -> int:
     outs = {}
     measured = horizon_of(space) or {}
     for share in (1.0, 1 / 3):
-        name = ", ".join(f"{v * share:g} {k}" for k, v in measured.items()) or f"{share:.3g} of the measured horizon"
+        name = describe_horizon(measured, share) or f"{share:.3g} of the measured horizon"
         table = rows if share == 1.0 else truncated(rows, share)
         outs[name] = replay_horizon(table, space, seeds=args.seeds)
         print(f"-- horizon {name}{' (as measured)' if share == 1.0 else ' (a third of the measured one)'} --")

@@ -20,7 +20,7 @@ from raytrm import config as cfg
 from raytrm.errors import UserError
 from raytrm.tune import objectives
 from raytrm.tune.progress import format_params
-from raytrm.tune.space import horizon_of, space_from_dict
+from raytrm.tune.space import describe_horizon, horizon_of, space_from_dict
 from raytrm.tune.tuner import PROFILES_DIR, TUNE_FILE, VERIFY_DIR, trial_resources
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def format_table(run_dir: str | Path) -> str:
     state = _state(run_dir)
     for tier in state["tiers"]:
         best, space, _ = ranked(run_dir, tier)
-        horizon = ", ".join(f"{v:g} {k}" for k, v in cfg.to_dict(space.horizon).items() if v is not None)
+        horizon = describe_horizon(horizon_of(space))
         at = f" at the horizon ({horizon})" if horizon and space.objective != "throughput" else ""
         lines.append(f"tier {tier}  ({len(best)} feasible trials, objective {space.objective}{at})")
         lost = state.get("lost_tiers", {}).get(tier)

@@ -172,6 +172,11 @@ def horizon_of(space: SearchSpace) -> dict[str, float] | None:
     return {k: v for k, v in cfg.to_dict(space.horizon).items() if v is not None} or None
 
 
+def describe_horizon(horizon: dict[str, float] | None, share: float = 1.0) -> str:
+    """'3 minutes', '1 minute', '5000 samples' (share of the horizon); '' for none."""
+    return ", ".join(f"{v * share:g} {k[:-1] if v * share == 1 else k}" for k, v in (horizon or {}).items())
+
+
 def resolve_space_path(path: str | os.PathLike | None) -> Path:
     """The space file: a path, a name in tune_spaces/ ('sudoku'), or the quick default."""
     if path is None:
