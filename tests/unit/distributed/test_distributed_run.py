@@ -105,7 +105,7 @@ spawn(run_worker, 2, cfg.load(cfg.ExperimentConfig, sys.argv[2]), sys.argv[3], F
 """
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])  # each seed is three two-worker runs: 40 s
 def test_killed_at_a_random_moment_then_resumed_equals_an_uninterrupted_run(tiny, tmp_path, seed):
     # Every worker SIGKILLed at once, a random moment after a random checkpoint (mid-step, mid-sync or mid-write),
     # then resumed on as many workers with the same shares: the same bits as a run never stopped.
