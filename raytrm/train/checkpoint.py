@@ -36,13 +36,8 @@ def checkpoint_path(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"step-{step:08d}.ckpt"
 
 
-def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int, keep: int | None = 3) -> Path:
-    """Write state atomically as the checkpoint of this step; keep only the newest `keep` checkpoints."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
+def header_line(payload: bytes, step: int) -> bytes:
+    """The line before a checkpoint's payload: format, step, and the size and SHA-256 a load checks it against."""
     header = {
         "raytrm_checkpoint": CHECKPOINT_FORMAT,
         "step": step,
@@ -50,12 +45,22 @@ def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int, kee
         "sha256": hashlib.sha256(payload).hexdigest(),
         "raytrm_version": __version__,
     }
+    return json.dumps(header).encode() + b"\n"
+
+
+def save_checkpoint(state: dict[str, Any], directory: str | Path, step: int, keep: int | None = 3) -> Path:
+    """Write state atomically as the checkpoint of this step; keep only the newest `keep` checkpoints."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
     final = checkpoint_path(directory, step)
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{final.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps(header).encode() + b"\n")
+            f.write(header_line(payload, step))
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())

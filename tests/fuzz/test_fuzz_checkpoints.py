@@ -8,7 +8,6 @@ exits 0, or 2 with one line on stderr.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import itertools
 import json
@@ -32,7 +31,6 @@ from mutations import (
     run_cli,
 )
 
-from raytrm import __version__
 from raytrm import config as cfg
 from raytrm.models.reference_io import load_reference_checkpoint
 from raytrm.train import checkpoint as ckpt
@@ -56,14 +54,7 @@ def torch_bytes(obj: object) -> bytes:
 
 def with_header(payload: bytes) -> bytes:
     """payload behind a header that matches it, as save_checkpoint writes one."""
-    header = {
-        "raytrm_checkpoint": ckpt.CHECKPOINT_FORMAT,
-        "step": 1,
-        "size": len(payload),
-        "sha256": hashlib.sha256(payload).hexdigest(),
-        "raytrm_version": __version__,
-    }
-    return json.dumps(header).encode() + b"\n" + payload
+    return ckpt.header_line(payload, step=1) + payload
 
 
 @st.composite

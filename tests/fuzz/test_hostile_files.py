@@ -7,7 +7,6 @@ nested or alias-bomb YAML, and the dataset and checkpoint shapes that once escap
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -19,7 +18,6 @@ import pytest
 import torch
 from mutations import check_cli_refusal, check_refusal, run_cli
 
-from raytrm import __version__
 from raytrm import config as cfg
 from raytrm.constants import spaces_dir
 from raytrm.data.build import open_dataset
@@ -52,14 +50,8 @@ def planted_payloads(marker) -> dict[str, bytes]:
 
 
 def with_header(payload: bytes) -> bytes:
-    header = {
-        "raytrm_checkpoint": ckpt.CHECKPOINT_FORMAT,
-        "step": 1,
-        "size": len(payload),
-        "sha256": hashlib.sha256(payload).hexdigest(),
-        "raytrm_version": __version__,
-    }
-    return json.dumps(header).encode() + b"\n" + payload
+    """payload behind a header that matches it, as save_checkpoint writes one."""
+    return ckpt.header_line(payload, step=1) + payload
 
 
 @pytest.mark.parametrize("kind", ["torch-open", "torch-system", "pickle-open", "pickle-system"])
