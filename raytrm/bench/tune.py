@@ -470,6 +470,7 @@ def _curves_cmd(args: Any, path: Path) -> int:
     if args.measure:
         space = load_space(args.space or "horizon")
         rows = measure_curves(space, path)
+        measured = horizon_of(space) or {}
     else:
         if not path.is_file():
             raise UserError(
@@ -479,7 +480,10 @@ def _curves_cmd(args: Any, path: Path) -> int:
         if "curves" not in doc:
             raise UserError(f"{path}: not a learning-curve table (no 'curves'); measure one with --curves --measure")
         rows = doc["curves"]
-        space = load_space(args.space) if args.space else space_from_dict(doc["space"], str(path))
+        table_space = space_from_dict(doc["space"], str(path))
+        # The table's horizon is the one it was measured to, whichever space's search is replayed on it.
+        measured = horizon_of(table_space) or {}
+        space = load_space(args.space) if args.space else table_space
     learning = sorted(k for k in space.parsed if not is_speed_knob(k))
     if any(sorted(r["params"]) != learning for r in rows):
         raise UserError(
@@ -487,7 +491,6 @@ def _curves_cmd(args: Any, path: Path) -> int:
             "with the space the table was measured for"
         )
     outs = {}
-    measured = horizon_of(space) or {}
     for share in (1.0, 1 / 3):
         name = describe_horizon(measured, share) or f"{share:.3g} of the measured horizon"
         table = rows if share == 1.0 else truncated(rows, share)

@@ -25,6 +25,7 @@ SPEED_FIELDS = (
     "training.threads",
     "training.interop_threads",
     "training.dataloader_workers",
+    "model.gradient_checkpointing",  # recomputes activations: the same gradients, less memory, more time
 )
 
 

@@ -16,7 +16,8 @@ PLOTS_DIR = "plots"
 
 
 def write_plots(run_dir: str | Path) -> list[Path]:
-    """Optimization history, parameter importances and (multi-objective) the Pareto front, for each tier."""
+    """Optimization history, parameter importances and (multi-objective) the Pareto front, for each tier's study;
+    for a staged run, each tier's speed study and the learning study, with its trials' evaluations at the rungs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -29,8 +30,11 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     run_dir = Path(run_dir)
     state = _state(run_dir)
     written = []
-    for tier in state["tiers"]:
-        study = optuna.load_study(study_name=state["studies"][tier], storage=state["storage"])
+    studies = {tier: state["studies"][tier] for tier in state["tiers"]}
+    if state.get("learning_study"):
+        studies = {f"{tier}-speed": name for tier, name in studies.items()} | {"learning": state["learning_study"]}
+    for label, study_name in studies.items():
+        study = optuna.load_study(study_name=study_name, storage=state["storage"])
         multi = len(study.directions) > 1
         plots = {
             "importances": lambda s, multi=multi: ovm.plot_param_importances(
@@ -46,8 +50,10 @@ def write_plots(run_dir: str | Path) -> list[Path]:
             )
         else:
             plots["history"] = lambda s: ovm.plot_optimization_history(s)
+        if label == "learning":
+            plots["rungs"] = lambda s: ovm.plot_intermediate_values(s)
         for name, draw in plots.items():
-            path = run_dir / PLOTS_DIR / f"{tier}-{name}.png"
+            path = run_dir / PLOTS_DIR / f"{label}-{name}.png"
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -57,5 +63,5 @@ def write_plots(run_dir: str | Path) -> list[Path]:
                 plt.close(ax.figure)
                 written.append(path)
             except Exception as e:  # e.g. importances need two finished trials with varied parameters
-                logger.info("no %s plot for %s: %s", name, tier, e)
+                logger.info("no %s plot for %s: %s", name, label, e)
     return written

@@ -39,9 +39,13 @@ def trial_line(result: dict[str, Any], objective: str) -> str:
         status = f"pruned at {Fraction(result['horizon_share']).limit_denominator(1000)} of the horizon"
     elif result.get("final") is False:
         status = f"pruned at evaluation {result.get('evaluation')}"
+    tier, number = result.get("tier", "?"), result.get("trial_number", "?")
+    who = {"speed": f"{tier} speed #{number}", "learning": f"learning #{number} on {tier}"}.get(
+        result.get("stage"), f"{tier} #{number}"
+    )
+    rate = "" if objective == "throughput" else f"samples/s={result.get('samples_per_sec') or 0:.1f} "
     line = (
-        f"[{result.get('tier', '?')} #{result.get('trial_number', '?')}] {status} {shown} "
-        f"samples/s={result.get('samples_per_sec') or 0:.1f} peak_mb={peak} "
+        f"[{who}] {status} {shown} {rate}peak_mb={peak} "
         f"thermal={result.get('thermal_max', 'unknown')} | {format_params(result.get('params') or {})}"
     )
     if result.get("error"):

@@ -23,9 +23,15 @@ logger = logging.getLogger(__name__)
 
 
 class ConstrainedOptunaSearch(OptunaSearch):
-    """OptunaSearch for one tier's study: constraints and measurements recorded on every completed trial."""
+    """OptunaSearch for one tier's study: constraints and measurements recorded on every completed trial.
 
-    def __init__(self, space: SearchSpace, tier: str, study_name: str, storage: Any, seed: int) -> None:
+    Several may share one study (a staged search's learning study: one per tier, all asking the same study, each
+    placing its trials on its own tier); `extra` goes into every config it suggests (that tier's speed knobs).
+    """
+
+    def __init__(
+        self, space: SearchSpace, tier: str, study_name: str, storage: Any, seed: int, extra: dict | None = None
+    ) -> None:
         params = space.parsed
         names = objectives.metric_names(space.objective)
         super().__init__(
@@ -36,13 +42,13 @@ class ConstrainedOptunaSearch(OptunaSearch):
             study_name=study_name,
             storage=storage,
         )
-        self.tier, self.objective = tier, space.objective
+        self.tier, self.objective, self.extra = tier, space.objective, dict(extra or {})
         self._ot_study.pruner = make_pruner(space)  # OptunaSearch builds its study with a NopPruner
 
     def suggest(self, trial_id: str) -> dict | None:
         params = super().suggest(trial_id)
         number = self._ot_trials[trial_id].number
-        return {"tier": self.tier, "trial_number": number, "params": params}
+        return {"tier": self.tier, "trial_number": number, "params": params, **self.extra}
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
         """Intermediate evaluations reach the study through PrunerStopper, which reports them before deciding."""
@@ -76,6 +82,9 @@ class TierSearcher(Searcher):
     that tier's study stops where it is (`lost` says when and what it did not run) and the others go on. A trial
     that dies is recorded with its last progress report, and its tier gets no new trial for `grace_s`, the time
     Ray may take to declare a vanished node dead.
+
+    With `pool` the tiers share one count of trials (a study that any machine may run: a staged search's learning
+    study) instead of each tier having its own in `remaining`; a lost tier then leaves the pool to the others.
     """
 
     def __init__(
@@ -88,6 +97,7 @@ class TierSearcher(Searcher):
         check_every_s: float = 2.0,
         grace_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        pool: int | None = None,
     ) -> None:
         names = objectives.metric_names(objective)
         super().__init__(metric=names if len(names) > 1 else names[0], mode="max")
@@ -100,6 +110,7 @@ class TierSearcher(Searcher):
         self._checked = -math.inf
         self._suspect: dict[str, float] = {}  # tier -> when one of its trials died
         self.died: dict[str, list[int]] = {t: [] for t in searchers}  # trial numbers whose process died
+        self.pool = pool
 
     def set_search_properties(self, metric: str | None, mode: str | None, config: dict, **spec: Any) -> bool:
         return True  # the space, metrics and modes come from the space file
@@ -115,11 +126,12 @@ class TierSearcher(Searcher):
             if counts.get(tier, 0) > 0:
                 self.machines[tier] = counts[tier]
             elif tier not in self.lost:
-                self.lost[tier] = {"not_run": self.remaining[tier], "at": time.time()}
+                not_run = self.remaining.get(tier, 0) if self.pool is None else 0  # a shared pool goes on elsewhere
+                self.lost[tier] = {"not_run": not_run, "at": time.time()}
                 logger.warning(
                     "tier %s lost: its last machine left the cluster; its study stops with %d trial(s) not run",
                     tier,
-                    self.remaining[tier],
+                    self.lost[tier]["not_run"],
                 )
                 self.remaining[tier] = 0
 
@@ -130,7 +142,10 @@ class TierSearcher(Searcher):
             if now - since >= self.grace_s:
                 del self._suspect[tier]
                 self._refresh(force=True)
-        open_tiers = [t for t, n in self.remaining.items() if n > 0]
+        if self.pool is not None:
+            open_tiers = [t for t in self.searchers if t not in self.lost] if self.pool > 0 else []
+        else:
+            open_tiers = [t for t, n in self.remaining.items() if n > 0]
         if not open_tiers and not any(self.live.values()):
             return Searcher.FINISHED
         free = [t for t in open_tiers if self.live[t] < self.machines.get(t, 1) and t not in self._suspect]
@@ -141,7 +156,10 @@ class TierSearcher(Searcher):
         if config is None:
             return None
         self.tier_of[trial_id] = tier
-        self.remaining[tier] -= 1
+        if self.pool is not None:
+            self.pool -= 1
+        else:
+            self.remaining[tier] -= 1
         self.live[tier] += 1
         return config
 

@@ -118,11 +118,20 @@ class SearchSpace:
     budget: Budget = spec(Budget(), "wall-clock budget of each trial")
     horizon: Horizon = spec(
         Horizon(),
-        "the training the profile is for, {minutes: N} or {samples: N}: each trial trains that long and is judged "
-        "by the quality it reaches there (a pruner may stop it at an earlier evaluation), and the profile trains "
-        "that long; neither = the trial's budget, which favours whatever learns fastest in seconds",
+        "the training the profile is for, {minutes: N} or {samples: N}, and the length the profile trains for. With "
+        "the quality objective the search is staged: speed knobs per tier in short runs, then learning knobs "
+        "trained to the horizon and judged by the quality reached there on each tier (README.md, 'Tuning'); "
+        "neither = each trial's budget, which favours whatever learns fastest in seconds",
     )
-    trials: int = spec(12, "trials per tier", ge=1)
+    trials: int = spec(
+        12, "trials per tier; with a horizon and the quality objective, trials of the learning search (all tiers)", ge=1
+    )
+    speed_trials: int | None = spec(
+        None,
+        "with a horizon and the quality objective: trials of each tier's search of the speed knobs (micro-batch, "
+        "threads, loader workers), short runs for samples/s; None = every point of a small grid, else trials",
+        ge=1,
+    )
     startup_trials: int | None = spec(None, "random trials before the model-based sampler; None = trials / 4", ge=1)
     sampler: str = spec("tpe", "tpe (default), gp (needs scipy) or random", choices=("tpe", "gp", "random"))
     pruner: str = spec(
@@ -230,6 +239,15 @@ def space_from_dict(data: Any, source: str, default_name: str = "study") -> Sear
             cfg.to_dict(space.horizon),
             "one of minutes or samples",
             "name the training length once, e.g. horizon: {minutes: 30}",
+        )
+    if horizon_of(space) and space.objective == "pareto":
+        raise ConfigError(
+            source,
+            "objective",
+            "pareto with a horizon",
+            "quality or throughput",
+            "at a horizon in minutes quality already counts the speed (a faster setting sees more samples): use "
+            "objective: quality",
         )
     if space.pruner != "none" and space.objective == "pareto":
         raise ConfigError(

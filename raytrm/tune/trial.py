@@ -76,6 +76,7 @@ def measure(
     decay_window: float = 0.25,
     evaluations: int = 1,
     horizon: dict[str, float] | None = None,
+    evaluate_quality: bool = True,
     report: Callable[[dict[str, Any]], None] | None = None,
     progress: Callable[[dict[str, Any]], None] | None = None,
     thermal_reader: Any = None,
@@ -97,6 +98,8 @@ def measure(
     pruner stops most trials at a ninth of the horizon and only the best reach its end. Every evaluation is a point
     of the trial's learning curve ("curve": samples seen, quality and its standard error). Throughput, memory and
     heat are measured over the whole run after the warm-up: a long window shows the heat a short one misses.
+
+    evaluate_quality=False measures speed, memory and heat only (a speed trial: quality is left at 0).
     """
     from raytrm.hardware.thermal import ThermalReader
     from raytrm.train import memory as memory_model
@@ -139,7 +142,8 @@ def measure(
     def evaluate() -> dict[str, Any]:
         scores = _evaluate(trainer, config, micro, eval_puzzles, quality_metric)
         stderr = scores["eval"].get(f"{quality_metric}_se")
-        curve.append({"samples": trainer.samples_seen, "quality": scores["quality"], "stderr": stderr})
+        point = {"samples": trainer.samples_seen, "seconds": now() - start, "quality": scores["quality"]}
+        curve.append({**point, "stderr": stderr})
         return {**scores, "curve": list(curve)} if horizon else scores
 
     try:
@@ -218,7 +222,7 @@ def measure(
                 break
         hottest = _hotter(hottest, thermal.read().get("thermal_state"))
         result.update(_run_figures(window, window_start, warmup, start, peak, trainer, decay_window))
-        if result["status"] == "ok":
+        if result["status"] == "ok" and evaluate_quality:
             result.update(evaluate())
             if horizon:
                 result["horizon_samples"] = trainer.samples_seen
@@ -306,22 +310,29 @@ def run_trial(
     from raytrm.tune.space import build_experiment
 
     tier, params = config["tier"], config.get("params", {})
-    base = build_experiment(setup["base"], params, "<trial>")  # validated before anything heavy starts
+    # A learning trial of a staged search runs with its tier's fastest speed knobs (raytrm.tune.staged).
+    speed = config.get("speed") or {}
+    base = build_experiment(setup["base"], {**speed, **params}, "<trial>")  # validated before anything heavy starts
     experiment, limits = resolve_for_node(cfg.to_dict(base), setup["limits"].get(tier, {}))
     labels = {
         "tier": tier,
         "trial_number": config.get("trial_number"),
         "params": params,
+        "stage": setup.get("stage"),
         "experiment": experiment,
         "hardware": limits["hardware"],
         **_node(),
     }
+    measure_args = dict(setup["measure"])
+    horizon = measure_args.get("horizon")
+    if horizon and horizon.get("minutes") and config.get("stretch"):
+        measure_args["horizon"] = {"minutes": horizon["minutes"] * config["stretch"]}
     result = measure(
         experiment,
         memory_budget_mb=limits["memory_budget_mb"],
         thermal_cap=limits["thermal_cap"],
         evaluations=setup["evaluations"],
-        **setup["measure"],
+        **measure_args,
         report=(lambda partial: report({**partial, **labels})) if report is not None else None,
         progress=(lambda partial: progress({**partial, **labels})) if progress is not None else None,
     )
@@ -353,11 +364,20 @@ def tune_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
     tune.report(result)
 
 
+def result_name(stage: str | None, tier: str, number: int) -> str:
+    """The file of a trial's result in the run directory: by tier, or by stage for a staged search's studies."""
+    if stage == "learning":
+        return f"learning-{number}.json"
+    if stage == "speed":
+        return f"{tier}-speed-{number}.json"
+    return f"{tier}-{number}.json"
+
+
 def _save(result: dict[str, Any], run_dir: str | None) -> None:
     """Keep the result beside the study, so a resume can record a trial whose driver died before it could."""
     if not run_dir or result.get("trial_number") is None:
         return
-    path = Path(run_dir) / "trials" / f"{result['tier']}-{result['trial_number']}.json"
+    path = Path(run_dir) / "trials" / result_name(result.get("stage"), result["tier"], result["trial_number"])
     try:
         cfg.write_text_atomic(json.dumps(result, default=str), path)
     except OSError as exc:  # another node's run directory may not be mounted here: the report still goes out

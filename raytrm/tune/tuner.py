@@ -29,6 +29,7 @@ from raytrm.errors import UserError
 from raytrm.tune import objectives
 from raytrm.tune.search import completed_count, record
 from raytrm.tune.space import SearchSpace, load_space, space_from_dict, tier_limits
+from raytrm.tune.staged import is_staged, learning_study, speed_study
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,13 @@ def open_storage(run_dir: Path, attempts: int = 5) -> optuna.storages.RDBStorage
 
 def study_name(space: SearchSpace, tier: str) -> str:
     return f"{space.name}-{tier}"
+
+
+def staged_study(space: SearchSpace, tier: str, stage: str | None) -> str:
+    """The study a tier's trials go to: its own, its speed search's, or the learning search all tiers share."""
+    if stage == "speed":
+        return speed_study(space, tier)
+    return learning_study(space) if stage == "learning" else study_name(space, tier)
 
 
 # -- Ray --------------------------------------------------------------------------------------------------------
@@ -97,11 +105,13 @@ def _prepare_data(space: SearchSpace) -> None:
         logger.warning("could not prepare the dataset here: %s", e)
 
 
-def _recover(study: optuna.Study, tier: str, run_dir: Path, objective: str) -> None:
+def _recover(study: optuna.Study, tier: str, run_dir: Path, objective: str, stage: str | None = None) -> None:
     """Finish the trials a dead driver left RUNNING: record a saved result, or mark FAIL (not rerun)."""
+    from raytrm.tune.trial import result_name
+
     # WAITING trials (enqueued start points not yet asked for) stay queued: the next ask takes them.
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        saved = run_dir / TRIALS_DIR / f"{tier}-{t.number}.json"
+        saved = run_dir / TRIALS_DIR / result_name(stage, tier, t.number)
         if saved.is_file():
             record(study, optuna.Trial(study, t._trial_id), json.loads(saved.read_text()), objective)
             logger.info("trial %d of %s finished after its driver stopped: recorded its saved result", t.number, tier)
@@ -157,17 +167,22 @@ def run_tune(
                 f"tier(s) {', '.join(missing)} have no machine in the Ray cluster (it has: "
                 f"{', '.join(sorted(available))}); start one, or tune the tiers present"
             )
+        staged = is_staged(space)
         state.update(
             tiers=wanted,
             trials=space.trials,
             storage=storage_url(run_dir),
-            studies={t: study_name(space, t) for t in wanted},
+            studies={t: speed_study(space, t) if staged else study_name(space, t) for t in wanted},
         )
+        if staged:
+            state["learning_study"] = learning_study(space)
         state["space"]["trials"] = space.trials
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.write_yaml(state, run_dir / TUNE_FILE)
         _prepare_data(space)
-        lost = _run_studies(space, run_dir, {t: available[t] for t in wanted}, stream)
+        machines = {t: available[t] for t in wanted}
+        run = _run_staged if staged else _run_studies
+        lost = run(space, run_dir, machines, stream)
         if lost:
             state["lost_tiers"] = {**state.get("lost_tiers", {}), **lost}
             cfg.write_yaml(state, run_dir / TUNE_FILE)
@@ -188,12 +203,69 @@ def run_tune(
             ray.shutdown()
 
 
-def _run_studies(
+def stage_setup(space: SearchSpace, run_dir: Path, tiers: list[str], stage: str | None = None) -> dict[str, Any]:
+    """What every trial of a search (or of one stage of a staged search) gets besides its own parameters."""
+    measure = space.measure_args()
+    if stage == "speed":  # speed, memory and heat in the budget's short window; no horizon, no evaluation
+        measure.update(horizon=None, evaluate_quality=False)
+    elif space.objective == "throughput":  # samples/s is measured in the budget; the horizon is the profile's length
+        measure.update(horizon=None)
+    return {
+        "base": space.base,
+        "measure": measure,
+        "evaluations": 1 if stage == "speed" else space.budget.evaluations,
+        "limits": {tier: _limits(space, tier) for tier in tiers},
+        "pruner": space.pruner,
+        "run_dir": str(run_dir.resolve()),
+        "stage": stage,
+    }
+
+
+def _run_staged(
     space: SearchSpace, run_dir: Path, machines: dict[str, int], stream: TextIO
 ) -> dict[str, dict[str, Any]]:
-    """Run every tier's study in one Tune run; returns the tiers whose machines all left, with what they missed."""
+    """The three steps of raytrm.tune.staged: each tier's speed search, the shared learning search, then each
+    config that reached the horizon timed on the tiers it did not train on."""
+    from raytrm.tune import staged
+    from raytrm.tune.export import best_speed, measure_rates
+
+    lost = _run_studies(staged.speed_space(space), run_dir, machines, stream, stage="speed")
+    fastest = {t: best_speed(run_dir, t) for t in machines if t not in lost}
+    for tier in [t for t, best in fastest.items() if best is None]:
+        logger.warning("tier %s: no speed setting fits its limits; it runs no learning trial and gets no profile", tier)
+        del fastest[tier]
+    if not fastest:
+        return lost
+    rates = {t: best["samples_per_sec"] for t, best in fastest.items()}
+    extras = {t: {"speed": best["params"], "stretch": staged.stretch(rates, t)} for t, best in fastest.items()}
+    print(
+        "learning search on "
+        + ", ".join(f"{t} (x{extras[t]['stretch']:.2f} the horizon)" if extras[t]["stretch"] > 1 else t for t in extras)
+        + " with each tier's fastest speed knobs",
+        file=stream,
+    )
+    learning = staged.learning_space(space)
+    lost |= _run_studies(learning, run_dir, {t: machines[t] for t in fastest}, stream, stage="learning", extras=extras)
+    measure_rates(run_dir, [t for t in fastest if t not in lost])
+    return lost
+
+
+def _run_studies(
+    space: SearchSpace,
+    run_dir: Path,
+    machines: dict[str, int],
+    stream: TextIO,
+    stage: str | None = None,
+    extras: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Run every tier's study in one Tune run; returns the tiers whose machines all left, with what they missed.
+
+    stage "learning" is one study shared by the tiers (any machine may run its trials, each with its tier's
+    `extras`); otherwise each tier has its own study.
+    """
     from ray import tune
     from ray.tune.execution.placement_groups import PlacementGroupFactory
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
     from raytrm.tune.progress import TrialProgress
     from raytrm.tune.ray_search import ConstrainedOptunaSearch, PrunerStopper, TierSearcher
@@ -201,44 +273,49 @@ def _run_studies(
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = open_storage(run_dir)
-    searchers, remaining = {}, {}
-    for tier in machines:
-        name = study_name(space, tier)
+    shared = stage == "learning"
+    searchers, remaining, opened = {}, {}, set()
+    for i, tier in enumerate(machines):
+        name = staged_study(space, tier, stage)
         study = optuna.create_study(
             storage=storage,
             study_name=name,
             load_if_exists=True,
             directions=["maximize"] * len(objectives.metric_names(space.objective)),
         )
-        _recover(study, tier, run_dir, space.objective)
-        if not study.trials:
-            for point in space.start_with:
-                study.enqueue_trial(point)
+        if name not in opened:
+            _recover(study, tier, run_dir, space.objective, stage)
+            if not study.trials:
+                for point in space.start_with:
+                    study.enqueue_trial(point)
+            opened.add(name)
         remaining[tier] = max(0, space.trials - completed_count(study))
-        # A new seed per attempt: a resumed study must not replay the first attempt's random start.
-        searchers[tier] = ConstrainedOptunaSearch(space, tier, name, storage, seed=space.seed + len(study.trials))
-    total = sum(remaining.values())
+        # A new seed per attempt: a resumed study must not replay the first attempt's random start. Tiers that
+        # share a study sample with seeds of their own.
+        seed = space.seed + len(study.trials) + (1000 * i if shared else 0)
+        searchers[tier] = ConstrainedOptunaSearch(space, tier, name, storage, seed=seed, extra=(extras or {}).get(tier))
+    pool = min(remaining.values()) if shared and remaining else None
+    total = pool if shared else sum(remaining.values())
     if not total:
-        logger.info("every tier has its %d trials; nothing to run", space.trials)
+        logger.info("every %s has its %d trials; nothing to run", "study" if shared else "tier", space.trials)
         return {}
-    attempt = sum(1 for _ in (run_dir / "ray").glob("attempt-*")) if (run_dir / "ray").is_dir() else 0
-    setup = {
-        "base": space.base,
-        "measure": space.measure_args(),
-        "evaluations": space.budget.evaluations,
-        "limits": {tier: _limits(space, tier) for tier in machines},
-        "pruner": space.pruner,
-        "run_dir": str(run_dir.resolve()),
-    }
+    prefix = f"{stage}-" if stage else ""
+    attempt = sum(1 for _ in (run_dir / "ray").glob(f"{prefix}attempt-*")) if (run_dir / "ray").is_dir() else 0
+    setup = stage_setup(space, run_dir, list(machines), stage)
     trainable = tune.with_parameters(tune_trainable, setup=setup)
     trainable = tune.with_resources(trainable, lambda config: PlacementGroupFactory([trial_resources(config["tier"])]))
-    print(
-        f"tuning {', '.join(f'{t} ({n} to run)' for t, n in remaining.items())}: study {storage_url(run_dir)}",
-        file=stream,
+    what = f"{stage} search: " if stage else "tuning "
+    counts = (
+        f"{pool} trials to run on {', '.join(machines)}"
+        if shared
+        else ", ".join(f"{t} ({n} to run)" for t, n in remaining.items())
     )
+    print(f"{what}{counts}: study {storage_url(run_dir)}", file=stream)
     # Tune's own tables would bury the one-line-per-trial view; the classic output engine at verbose 0 is silent.
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    searcher = TierSearcher(searchers, remaining, machines, space.objective, machines_now=alive_tiers)
+    # Tune's JSON and CSV logs, without its TensorBoard logger, which warns at every curve (a list it cannot plot).
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    searcher = TierSearcher(searchers, remaining, machines, space.objective, machines_now=alive_tiers, pool=pool)
     tuner = tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
@@ -247,11 +324,11 @@ def _run_studies(
             reuse_actors=False,  # a fresh process per trial: inter-op threads and OMP settings apply once per process
         ),
         run_config=tune.RunConfig(
-            name=f"attempt-{attempt}",
+            name=f"{prefix}attempt-{attempt}",
             storage_path=str((run_dir / "ray").resolve()),
             verbose=0,
             stop=PrunerStopper(searcher) if space.pruner != "none" else None,
-            callbacks=[TrialProgress(stream, space.objective)],
+            callbacks=[TrialProgress(stream, space.objective), JsonLoggerCallback(), CSVLoggerCallback()],
             failure_config=tune.FailureConfig(max_failures=0),
         ),
     )

@@ -72,7 +72,10 @@ def test_study_exports_a_profile_that_trains(ray_cluster, tmp_path, capsys):
         main(["tune", "--space", str(space_file(tmp_path, "small", horizon={"samples": 64})), "--out", str(run)]) == 0
     )
     out = capsys.readouterr().out
-    assert out.count(f"[{TIER_A} #") == 3 and "verified" in out and "runner-up" in out
+    # A horizon and the quality objective: the speed grid (3 micro-batches) point by point, then the learning
+    # grid (L_cycles 1 and 2) once each, trained to the horizon.
+    assert out.count(f"[{TIER_A} speed #") == 3 and out.count("[learning #") == 2, out
+    assert "verified" in out and "runner-up" in out
     profile_path = run / "profiles" / f"{TIER_A}.yaml"
     profile = cfg.load_profile(profile_path)
     assert profile.tier == TIER_A and profile.limits.memory_budget_mb == 5632  # tiers.yaml's row
@@ -80,15 +83,22 @@ def test_study_exports_a_profile_that_trains(ray_cluster, tmp_path, capsys):
     # It trains for the space's horizon: 64 samples are 4 steps of 16.
     assert (profile.training.steps, profile.training.time_budget_s) == (4, None)
     assert profile.measured.objective["horizon"] == {"samples": 64}
-    assert len(complete(study(run, f"small-{TIER_A}"))) == 3
-    assert {p.name for p in (run / "plots").iterdir()} >= {f"{TIER_A}-history.png", f"{TIER_A}-importances.png"}
+    assert len(complete(study(run, f"small-{TIER_A}-speed"))) == 3
+    learning = complete(study(run, "small-learning"))
+    assert len(learning) == 2 and all(t.user_attrs["curve"][-1]["samples"] >= 64 for t in learning)
+    assert profile.model.L_cycles == max(learning, key=lambda t: t.values[0]).params["model.L_cycles"]
+    assert {p.name for p in (run / "plots").iterdir()} >= {
+        f"{TIER_A}-speed-history.png",
+        "learning-history.png",
+        "learning-rungs.png",
+    }
     # optuna's own CLI reads the study
     cli = subprocess.run(
         [
             str(Path(sys.executable).parent / "optuna"),
             "trials",
             "--study-name",
-            f"small-{TIER_A}",
+            "small-learning",
             "--storage",
             f"sqlite:///{run / STUDY_DB}",
             "-f",
@@ -97,7 +107,7 @@ def test_study_exports_a_profile_that_trains(ray_cluster, tmp_path, capsys):
         capture_output=True,
         text=True,
     )
-    assert cli.returncode == 0 and cli.stdout.count('"number"') == 3, (cli.stdout[-300:], cli.stderr[-500:])
+    assert cli.returncode == 0 and cli.stdout.count('"number"') == 2, (cli.stdout[-300:], cli.stderr[-500:])
     # export by hand writes the same profile; train --profile runs exactly its settings
     assert main(["export", str(run), "--tier", TIER_A, "--out", str(tmp_path / "p.yaml")]) == 0
     assert cfg.load_profile(tmp_path / "p.yaml") == profile
@@ -195,6 +205,54 @@ def test_two_tiers_run_on_their_own_nodes_one_trial_at_a_time(ray_cluster, tmp_p
             assert start >= end, f"two trials at once on the {tier} node"
     a, b = spans[TIER_A], spans[TIER_B]
     assert any(sa < eb and sb < ea for sa, ea in a for sb, eb in b), "the two machines never worked in parallel"
+
+
+def test_staged_tiers_share_the_learning_curves_and_each_gets_its_own_speed_and_pick(ray_cluster, tmp_path):
+    run = tmp_path / "run"
+    path = space_file(
+        tmp_path,
+        "staged",
+        trials=2,
+        tiers=[TIER_A, TIER_B],
+        params={
+            "training.micro_batch_size": {"type": "categorical", "choices": [8, 16]},
+            "model.L_cycles": {"type": "int", "low": 1, "high": 2},
+        },
+        horizon={"minutes": 0.1},
+        budget={"warmup_s": 0.5, "measure_s": 1.5, "eval_puzzles": 16, "evaluations": 2},
+    )
+    out = io.StringIO()
+    paths = run_tune(str(path), out=str(run), stream=out)
+    assert set(paths) == {TIER_A, TIER_B}, out.getvalue()
+    nodes = ray_cluster.node_ids
+    speed = {}
+    for tier in (TIER_A, TIER_B):
+        trials = complete(study(run, f"staged-{tier}-speed"))
+        assert len(trials) == 2 and {t.user_attrs["node_id"] for t in trials} == {nodes[tier]}
+        speed[tier] = max(trials, key=lambda t: t.values[0])
+    # The two learning trials ran at once, one on each machine, each with its own tier's fastest micro-batch.
+    learning = complete(study(run, "staged-learning"))
+    assert sorted(t.user_attrs["tier"] for t in learning) == sorted([TIER_A, TIER_B])
+    for t in learning:
+        tier = t.user_attrs["tier"]
+        assert t.user_attrs["node_id"] == nodes[tier]
+        assert (
+            t.user_attrs["experiment"]["training"]["micro_batch_size"]
+            == speed[tier].params["training.micro_batch_size"]
+        )
+        # ... and was timed on the other tier, on that tier's node, with that tier's speed knobs.
+        other = TIER_B if tier == TIER_A else TIER_A
+        rate = json.loads((run / "rates" / f"{other}-{t.number}.json").read_text())
+        assert rate["node_id"] == nodes[other] and rate["status"] == "ok" and rate["quality"] == 0.0
+        assert rate["experiment"]["training"]["micro_batch_size"] == speed[other].params["training.micro_batch_size"]
+        assert rate["experiment"]["model"]["L_cycles"] == t.params["model.L_cycles"]
+    for tier in (TIER_A, TIER_B):
+        profile = cfg.load_profile(paths[tier])
+        assert profile.training.micro_batch_size == speed[tier].params["training.micro_batch_size"]
+        assert profile.training.time_budget_s == 6.0 and profile.measured.objective["horizon"] == {"minutes": 0.1}
+        assert profile.measured.objective["trained_on"] in (TIER_A, TIER_B)
+    table = out.getvalue()
+    assert table.count("trained on") >= 2 and table.count("verified :") == 2
 
 
 def test_the_pruner_stops_a_trial_that_is_behind_at_its_first_evaluation(ray_cluster, tmp_path):

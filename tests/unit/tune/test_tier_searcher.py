@@ -80,3 +80,21 @@ def test_without_a_cluster_reader_tiers_are_never_lost():
     tiers.suggest("t1")
     tiers.on_trial_complete("t1", error=True)
     assert tiers.lost == {}
+
+
+def test_a_shared_pool_places_trials_on_any_free_tier_and_survives_a_lost_one():
+    # The learning search of a staged run: one count of trials for all tiers, each trial on whichever machine is free.
+    alive = {"air": 1, "studio": 1}
+    fakes = {t: FakeSearch(t) for t in ("air", "studio")}
+    tiers = TierSearcher(
+        fakes, dict.fromkeys(fakes, 3), dict.fromkeys(fakes, 1), "quality", lambda: dict(alive), clock=Clock(), pool=3
+    )
+    assert [tiers.suggest(t)["tier"] for t in ("t1", "t2")] == ["air", "studio"]
+    del alive["air"]
+    tiers.on_trial_complete("t1", error=True)  # air's machine left: the pool goes on on studio
+    assert tiers.lost["air"]["not_run"] == 0 and tiers.pool == 1
+    tiers.on_trial_complete("t2", {"status": "ok"})
+    assert tiers.suggest("t3")["tier"] == "studio"
+    assert tiers.suggest("t4") is None  # the pool is spent; t3 still runs
+    tiers.on_trial_complete("t3", {"status": "ok"})
+    assert tiers.suggest("t4") is Searcher.FINISHED
