@@ -531,7 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--profile",
         metavar="FILE",
-        help="tune: compare this tuned profile with the space's base at the tier's defaults (--repeats each)",
+        help="tune: compare this tuned profile with the space's base at the tier's defaults (--repeats each); with "
+        "--curves --table T, rank its learning config among the table's at the profile's horizon",
     )
     p.set_defaults(func=cmd_bench)
     return parser

@@ -27,6 +27,7 @@ from typing import Any
 
 import optuna
 
+from raytrm import config as cfg
 from raytrm.errors import UserError
 from raytrm.tune import objectives
 from raytrm.tune.curves import extrapolate, horizon_rungs, is_speed_knob
@@ -427,8 +428,62 @@ def format_against(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def rank_profile(rows: list[dict[str, Any]], measured_minutes: float, profile: Any) -> dict[str, Any]:
+    """Where a profile's learning config stands in a curve table at the profile's horizon: every config's quality
+    there, best first, and the profile's rank. The table reaches its measured horizon and a third of it."""
+    minutes = (profile.measured.objective.get("horizon") or {}).get("minutes")
+    if minutes is None and profile.training.time_budget_s:
+        minutes = profile.training.time_budget_s / 60
+    shares = {1.0: rows, 1 / 3: truncated(rows, 1 / 3)}
+    share = next((s for s in shares if minutes and math.isclose(minutes, s * measured_minutes, rel_tol=1e-6)), None)
+    if share is None:
+        raise UserError(
+            f"the profile trains for {minutes} minutes; the table reaches {measured_minutes:g} and "
+            f"{measured_minutes / 3:g}: compare a profile tuned for one of those"
+        )
+    sections = {"model": profile.model, "training": profile.training}
+    own = {k: getattr(sections[k.split(".")[0]], k.split(".", 1)[1]) for k in rows[0]["params"]}
+    ranked = sorted(shares[share], key=lambda r: -r["points"][-1]["quality"])
+    order = [
+        {"params": r["params"], "quality": r["points"][-1]["quality"], "stderr": r["points"][-1].get("stderr")}
+        for r in ranked
+    ]
+    rank = next((i + 1 for i, r in enumerate(order) if r["params"] == own), None)
+    return {"minutes": minutes, "profile_params": own, "rank": rank, "order": order}
+
+
+def format_rank(out: dict[str, Any]) -> str:
+    lines = [f"at the {describe_horizon({'minutes': out['minutes']})} horizon, cell accuracy in the table:"]
+    for i, r in enumerate(out["order"]):
+        mark = "  <- the profile" if r["params"] == out["profile_params"] else ""
+        error = f" +-{r['stderr']:.3f}" if r.get("stderr") else ""
+        lines.append(f"  {i + 1}. {_key(r['params'])}  {r['quality']:.3f}{error}{mark}")
+    rank = out["rank"]
+    lines.append(
+        f"the profile's config is {rank} of {len(out['order'])}" if rank else "the profile's config is not in the table"
+    )
+    return "\n".join(lines)
+
+
 def cmd(args: Any) -> int:
     """The bench's entry from the CLI: measure a grid (--measure), replay a recorded table, or compare a profile."""
+    if args.profile and args.curves and args.table and not args.measure:
+        path = Path(args.table)
+        if not path.is_file():
+            raise UserError(f"{path}: no such table; measure one with `raytrm bench tune --curves --measure`")
+        doc = json.loads(path.read_text())
+        if "curves" not in doc:
+            raise UserError(f"{path}: not a learning-curve table (no 'curves'); measure one with --curves --measure")
+        from raytrm.tune.space import space_from_dict
+
+        measured = horizon_of(space_from_dict(doc["space"], str(path))) or {}
+        if not measured.get("minutes"):
+            raise UserError(f"{path}: its space has no horizon in minutes to compare a profile at")
+        out = rank_profile(doc["curves"], measured["minutes"], cfg.load_profile(args.profile))
+        print(format_rank(out))
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2))
+        return 0
     if args.profile:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         profile = Path(args.profile)

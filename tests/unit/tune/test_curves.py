@@ -9,7 +9,7 @@ import pytest
 
 from raytrm import config as cfg
 from raytrm.bench.tune import replay_horizon, truncated
-from raytrm.errors import ConfigError
+from raytrm.errors import ConfigError, UserError
 from raytrm.train.tasks import _standard_error
 from raytrm.train.trainer import Trainer
 from raytrm.tune.curves import extrapolate, is_speed_knob, learning_curve, quality_at, rungs
@@ -149,3 +149,30 @@ def test_extrapolation_follows_the_log_slope_and_stays_in_bounds():
     assert extrapolate(points, 10**30) == 1.0
     falling = [{"samples": 100, "quality": 0.6}, {"samples": 1000, "quality": 0.5}]
     assert extrapolate(falling, 10_000) == 0.5
+
+
+def test_a_profile_is_ranked_among_the_tables_configs_at_its_own_horizon():
+    from types import SimpleNamespace
+
+    from raytrm.bench.tune import format_rank, rank_profile
+
+    rows = [
+        curve(1, 400, [0.60, 0.62, 0.63, 0.66, 0.72]),  # first at a third of the horizon, last at all of it
+        curve(3, 150, [0.35, 0.47, 0.50, 0.64, 0.80]),
+        curve(2, 300, [0.45, 0.50, 0.51, 0.65, 0.78]),
+    ]
+
+    def profile(h, minutes):
+        return SimpleNamespace(
+            model=SimpleNamespace(H_cycles=h),
+            training=SimpleNamespace(time_budget_s=minutes * 60),
+            measured=SimpleNamespace(objective={"horizon": {"minutes": minutes}}),
+        )
+
+    at_full = rank_profile(rows, 3.0, profile(3, 3.0))
+    assert at_full["rank"] == 1 and [r["params"]["model.H_cycles"] for r in at_full["order"]] == [3, 2, 1]
+    at_third = rank_profile(rows, 3.0, profile(3, 1.0))
+    assert at_third["rank"] == 3 and at_third["order"][0]["quality"] == 0.66
+    assert "the profile's config is 3 of 3" in format_rank(at_third)
+    with pytest.raises(UserError, match="the table reaches 3 and 1: compare a profile tuned for one of those"):
+        rank_profile(rows, 3.0, profile(3, 2.0))
