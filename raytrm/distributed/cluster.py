@@ -66,6 +66,9 @@ def connect(address: str | None, dashboard: bool = False) -> bool:
 
     tier = match_tier(detect())
     ray.init(
+        # "local": a Ray of its own, even where this machine runs a cluster's node (ray.init without an address
+        # would join that one, and refuse the CPUs and resources given here); --address auto joins it.
+        address="local",
         num_cpus=os.cpu_count() or 1,
         include_dashboard=dashboard,
         resources={RESOURCE_MACHINE: 1, tier_resource(tier.name): 1},
