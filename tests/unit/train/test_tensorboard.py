@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -60,6 +61,10 @@ def test_a_resume_replaces_the_steps_past_it(tmp_path):
     for step in range(1, 6):
         log.write({"step": step, "loss": float(step)})
     log.close()
+    # TensorBoard reads event files in name order: time in seconds, host, pid, then a per-process counter, so two
+    # files of one process in one second sort by that counter (10 before 9). A resumed run is a new process; here
+    # the next second stands for it.
+    time.sleep(1.05)
     # Killed after step 5, resumed from the checkpoint of step 3: steps 4 and 5 are trained again.
     log = MetricsLog(tmp_path / "metrics.jsonl", resume_step=3)
     for step in (4, 5):
