@@ -428,9 +428,13 @@ def format_against(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def rank_profile(rows: list[dict[str, Any]], measured_minutes: float, profile: Any) -> dict[str, Any]:
+def rank_profile(
+    rows: list[dict[str, Any]], measured_minutes: float, profile: Any, searched: set[str] | None = None
+) -> dict[str, Any]:
     """Where a profile's learning config stands in a curve table at the profile's horizon: every config's quality
-    there, best first, and the profile's rank. The table reaches its measured horizon and a third of it."""
+    there, best first, and the profile's rank. The table reaches its measured horizon and a third of it. With
+    `searched` (the learning knobs the profile's space searched) only the table's configs that space could pick
+    compete: those equal to the profile in every other knob."""
     minutes = (profile.measured.objective.get("horizon") or {}).get("minutes")
     if minutes is None and profile.training.time_budget_s:
         minutes = profile.training.time_budget_s / 60
@@ -443,7 +447,9 @@ def rank_profile(rows: list[dict[str, Any]], measured_minutes: float, profile: A
         )
     sections = {"model": profile.model, "training": profile.training}
     own = {k: getattr(sections[k.split(".")[0]], k.split(".", 1)[1]) for k in rows[0]["params"]}
-    ranked = sorted(shares[share], key=lambda r: -r["points"][-1]["quality"])
+    fixed = [k for k in own if searched is not None and k not in searched]
+    grid = [r for r in shares[share] if all(r["params"][k] == own[k] for k in fixed)]
+    ranked = sorted(grid, key=lambda r: -r["points"][-1]["quality"])
     order = [
         {"params": r["params"], "quality": r["points"][-1]["quality"], "stderr": r["points"][-1].get("stderr")}
         for r in ranked
@@ -479,7 +485,8 @@ def cmd(args: Any) -> int:
         measured = horizon_of(space_from_dict(doc["space"], str(path))) or {}
         if not measured.get("minutes"):
             raise UserError(f"{path}: its space has no horizon in minutes to compare a profile at")
-        out = rank_profile(doc["curves"], measured["minutes"], cfg.load_profile(args.profile))
+        searched = {k for k in load_space(args.space or "quick").parsed if not is_speed_knob(k)}
+        out = rank_profile(doc["curves"], measured["minutes"], cfg.load_profile(args.profile), searched)
         print(format_rank(out))
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=2))

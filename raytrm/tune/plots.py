@@ -50,7 +50,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
             )
         else:
             plots["history"] = lambda s: ovm.plot_optimization_history(s)
-        if label == "learning":
+        if label == "learning" and any(trial.intermediate_values for trial in study.trials):  # evaluations a pruner saw
             plots["rungs"] = lambda s: ovm.plot_intermediate_values(s)
         for name, draw in plots.items():
             path = run_dir / PLOTS_DIR / f"{label}-{name}.png"

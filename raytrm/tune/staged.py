@@ -73,13 +73,8 @@ def speed_space(space: SearchSpace) -> SearchSpace:
     parsed = {k: p for k, p in space.parsed.items() if is_speed_knob(k)}
     size = grid_size(parsed)
     trials = space.speed_trials or (min(size, space.trials) if size else space.trials)
-    start_with = _points(space.start_with, list(parsed))
+    start_with = _with_grid(_points(space.start_with, list(parsed)), parsed, size, trials)
     if size and size <= trials:
-        names = list(parsed)
-        grid = [
-            dict(zip(names, combo, strict=True)) for combo in itertools.product(*(parsed[n].values() for n in names))
-        ]
-        start_with += [point for point in grid if point not in start_with]
         trials = size
     return dataclasses.replace(
         space,
@@ -94,16 +89,27 @@ def speed_space(space: SearchSpace) -> SearchSpace:
 
 
 def learning_space(space: SearchSpace) -> SearchSpace:
-    """The space of step 2: the learning knobs, quality at the horizon as the objective, no more trials than points."""
+    """The space of step 2: the learning knobs, quality at the horizon as the objective; a grid no larger than the
+    trials is run point by point, in order."""
     parsed = {k: p for k, p in space.parsed.items() if not is_speed_knob(k)}
     size = grid_size(parsed)
+    trials = min(size, space.trials) if size else space.trials
     return dataclasses.replace(
         space,
         params={k: v for k, v in space.params.items() if k in parsed},
         parsed=parsed,
-        trials=min(size, space.trials) if size else space.trials,
-        start_with=_points(space.start_with, list(parsed)),
+        trials=trials,
+        start_with=_with_grid(_points(space.start_with, list(parsed)), parsed, size, trials),
     )
+
+
+def _with_grid(start_with: list[dict[str, Any]], parsed: dict[str, Any], size: int | None, trials: int) -> list:
+    """The start points, then every other point of a grid that the trials cover whole."""
+    if not size or size > trials:
+        return start_with
+    names = list(parsed)
+    combos = itertools.product(*(parsed[n].values() for n in names))
+    return start_with + [p for p in (dict(zip(names, c, strict=True)) for c in combos) if p not in start_with]
 
 
 def stretch(rates: dict[str, float], tier: str) -> float:

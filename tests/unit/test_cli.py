@@ -47,7 +47,7 @@ def test_validate_shows_the_resolved_config(tmp_path, capsys):
 def test_validate_reads_a_search_space(capsys):
     assert main(["validate", str(spaces_dir() / "quick.yaml")]) == 0
     out = capsys.readouterr().out
-    assert "valid search space, 4 parameters" in out and "horizon:\n  minutes: 1.0" in out
+    assert "valid search space, 2 parameters" in out and "horizon:\n  minutes: 1.0" in out
 
 
 @pytest.mark.parametrize(

@@ -176,3 +176,7 @@ def test_a_profile_is_ranked_among_the_tables_configs_at_its_own_horizon():
     assert "the profile's config is 3 of 3" in format_rank(at_third)
     with pytest.raises(UserError, match="the table reaches 3 and 1: compare a profile tuned for one of those"):
         rank_profile(rows, 3.0, profile(3, 2.0))
+    # Only the configs the profile's space could pick compete: here none searched, so the profile's own alone.
+    assert rank_profile(rows, 3.0, profile(1, 1.0), searched=set())["order"] == [
+        {"params": {"model.H_cycles": 1}, "quality": 0.66, "stderr": None}
+    ]

@@ -19,24 +19,22 @@ CURVE = [
 ]
 
 
-def test_quick_space_splits_into_a_speed_grid_per_tier_and_a_learning_search():
+def test_quick_space_splits_into_a_speed_grid_per_tier_and_a_learning_grid():
     space = load_space("quick")
     assert staged.is_staged(space)
     speed, learning = staged.speed_space(space), staged.learning_space(space)
-    assert set(speed.parsed) == {"training.micro_batch_size", "training.threads"}
-    assert set(learning.parsed) == {"model.H_cycles", "model.L_cycles"}
-    assert (speed.objective, speed.pruner, learning.objective, learning.pruner) == (
-        "throughput",
-        "none",
-        "quality",
-        "successive_halving",
-    )
-    # 3 micro-batches x 2 thread counts: a grid this small is run point by point, each point once.
-    assert speed.trials == 6 and len(speed.start_with) == 6
-    assert {tuple(sorted(p.items())) for p in speed.start_with} == {
-        (("training.micro_batch_size", m), ("training.threads", t)) for m in (8, 16, 32) for t in (1, 2)
-    }
-    assert learning.trials == min(space.trials, 9)
+    assert set(speed.parsed) == {"training.micro_batch_size"} and set(learning.parsed) == {"model.L_cycles"}
+    assert (speed.objective, speed.pruner, learning.objective) == ("throughput", "none", "quality")
+    # Grids no larger than the trials are run point by point, each point once.
+    assert speed.start_with == [{"training.micro_batch_size": 16}, {"training.micro_batch_size": 32}]
+    assert learning.start_with == [{"model.L_cycles": n} for n in (1, 2, 3)] and learning.trials == 3
+
+
+def test_a_grid_larger_than_the_trials_is_left_to_the_sampler_after_the_start_points():
+    doc = load_space("horizon").to_dict()
+    space = space_from_dict({**doc, "trials": 4, "start_with": [{"model.H_cycles": 1, "model.L_cycles": 2}]}, "<t>")
+    learning = staged.learning_space(space)
+    assert learning.trials == 4 and learning.start_with == [{"model.H_cycles": 1, "model.L_cycles": 2}]
 
 
 def test_a_space_without_a_horizon_or_tuned_for_throughput_is_not_staged():
