@@ -330,6 +330,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 repeats=args.repeats,
                 dtype=args.dtype,
                 reference=Path(args.reference) if args.reference else None,
+                compile_mode=args.compile,
             )
         print(format_rows(trm_rows))
         results = as_json(trm_rows)
@@ -507,6 +508,15 @@ def build_parser() -> argparse.ArgumentParser:
         " beside each raytrm row, measured in the same run",
     )
     p.add_argument(
+        "--compile",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=("off", "on", "cudagraphs"),
+        help="trm: compile raytrm's step (training.compile; cudagraphs adds CUDA graphs) and the reference's model "
+        "as its pretrain.py does (torch.compile); default: both eager",
+    )
+    p.add_argument(
         "--parts",
         nargs="+",
         default=["pair", "ray", "sync"],
@@ -532,7 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile",
         metavar="FILE",
         help="tune: compare this tuned profile with the space's base at the tier's defaults (--repeats each); with "
-        "--curves --table T, rank its learning config among the table's at the profile's horizon",
+        "--curves --table T, rank its learning config among those of its space (--space, default quick) in the "
+        "table, at the profile's horizon",
     )
     p.set_defaults(func=cmd_bench)
     return parser

@@ -200,6 +200,12 @@ class TrainConfig:
     )
     dtype: str = spec("auto", "training dtype; auto lets the device module choose", choices=DTYPES)
     device: str = spec("auto", "compute device; auto picks cuda, then mps, then cpu", choices=DEVICES)
+    compile: str = spec(
+        "auto",
+        "torch.compile of the model's repeated region: auto (cuda, and mps where torch can; eager on a cpu), on, "
+        "off, or cudagraphs (on cuda: with CUDA graphs)",
+        choices=("auto", "on", "off", "cudagraphs"),
+    )
     steps: int | None = spec(None, "optimizer steps to run; None = until the time budget", ge=1)
     time_budget_s: float | None = spec(None, "wall-clock budget in seconds; None = until steps", gt=0)
     log_interval: int = spec(10, "steps between metrics lines", ge=1)

@@ -207,6 +207,7 @@ class ReferenceTrainer:
         data_dir: str | Path,
         device: torch.device,
         dtype: torch.dtype,
+        compile_model: bool = False,
     ) -> None:
         if devices.loss_dtype(device) != torch.float64:
             raise UserError(
@@ -227,6 +228,13 @@ class ReferenceTrainer:
             with device:
                 self.model = classes.loss_head(classes.model(arch), loss_type=classes.loss_type)
         self.model.train()
+        #: The module pretrain.py calls: the loss head compiled whole, as its users run it (unless DISABLE_COMPILE).
+        self.step_model = torch.compile(self.model) if compile_model else self.model
+        # torch.compile traces on the first step, and its guards check the reference's modules on every step: they
+        # stay importable, the same module objects, until close().
+        self._imports = contextlib.ExitStack()
+        if compile_model:
+            self._imports.enter_context(_reference_imports(root))
         # pretrain.py: SignSGD on the puzzle-embedding buffers, the weights' optimizer on model.parameters().
         self.optimizers: list[torch.optim.Optimizer] = [
             torch.optim.AdamW(
@@ -250,6 +258,9 @@ class ReferenceTrainer:
         self.carry = None
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
 
+    def close(self) -> None:
+        self._imports.close()
+
     def _batch(self) -> dict[str, torch.Tensor]:
         idx = self.rng.choice(len(self.data), size=self.batch_size, replace=len(self.data) < self.batch_size)
         return {k: torch.from_numpy(v).to(self.device) for k, v in self.data.batch(idx).items()}
@@ -260,7 +271,7 @@ class ReferenceTrainer:
         if self.carry is None:
             with self.device:
                 self.carry = self.model.initial_carry(batch)
-        self.carry, loss, metrics, _, _ = self.model(carry=self.carry, batch=batch, return_keys=[])
+        self.carry, loss, metrics, _, _ = self.step_model(carry=self.carry, batch=batch, return_keys=[])
         ((1 / self.batch_size) * loss).backward()
         for optimizer in self.optimizers:
             optimizer.step()

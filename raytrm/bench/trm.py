@@ -47,10 +47,19 @@ class TrmRow:
     impl: str = "raytrm"
     #: On a raytrm row measured beside the reference: raytrm samples/s / reference samples/s.
     ratio: float | None = None
+    #: How the step ran: "off" (eager), or raytrm's training.compile / "torch.compile" for the reference.
+    compiled: str = "off"
 
 
 def reference_experiment(
-    variant: str, hidden: int, batch: int, threads: int | None, device: str, data_dir: Path, dtype: str
+    variant: str,
+    hidden: int,
+    batch: int,
+    threads: int | None,
+    device: str,
+    data_dir: Path,
+    dtype: str,
+    compile_mode: str = "off",
 ) -> cfg.ExperimentConfig:
     """The reference's Sudoku configuration at a width and batch, on a Sudoku dataset in data_dir."""
     model = {
@@ -59,7 +68,14 @@ def reference_experiment(
         "hidden_size": hidden,
         "pos_encodings": "rope" if variant == "attention" else "none",
     }
-    training = {"global_batch_size": batch, "threads": threads, "device": device, "dtype": dtype, "ema": True}
+    training = {
+        "global_batch_size": batch,
+        "threads": threads,
+        "device": device,
+        "dtype": dtype,
+        "ema": True,
+        "compile": compile_mode,
+    }
     return cfg.from_dict(cfg.ExperimentConfig, {"model": model, "data": {"path": str(data_dir)}, "training": training})
 
 
@@ -69,13 +85,19 @@ def _measure_pair(
     """raytrm's row at one config, and the reference's beside it when a checkout is given."""
     trainer = Trainer(experiment)
     steps: list[tuple[str, Callable[[], object]]] = [("raytrm", trainer.train_step)]
+    compiled = experiment.training.compile
+    ref = None
     if reference is not None:
-        ref = ReferenceTrainer(reference, experiment, data_dir, trainer.device, trainer.dtype)
+        ref = ReferenceTrainer(
+            reference, experiment, data_dir, trainer.device, trainer.dtype, compile_model=compiled != "off"
+        )
         steps.append(("reference", ref.train_step))
     try:
         flops, seconds, ceiling = measure_steps([step for _, step in steps], trainer.device, trainer.dtype, repeats)
     finally:
         trainer.close()
+        if ref is not None:
+            ref.close()
     batch, model = experiment.training.global_batch_size, experiment.model
     rows = [
         TrmRow(
@@ -85,6 +107,7 @@ def _measure_pair(
             device=trainer.device.type,
             dtype=str(trainer.dtype).removeprefix("torch."),
             impl=impl,
+            compiled=(compiled if impl == "raytrm" else "torch.compile") if compiled != "off" else "off",
             **step_rates(batch, f, s, ceiling),
         )
         for (impl, _), f, s in zip(steps, flops, seconds, strict=True)
@@ -106,6 +129,7 @@ def bench_trm(
     repeats: int = 5,
     dtype: str = "auto",
     reference: Path | None = None,
+    compile_mode: str = "off",
 ) -> list[TrmRow]:
     """Median step time and FLOP rate of each (variant, hidden), with the matmul ceiling measured alongside.
 
@@ -119,7 +143,7 @@ def bench_trm(
     rows = []
     for variant in variants:
         for hidden in hiddens:
-            experiment = reference_experiment(variant, hidden, batch, threads, device, data_dir, dtype)
+            experiment = reference_experiment(variant, hidden, batch, threads, device, data_dir, dtype, compile_mode)
             rows.extend(_measure_pair(experiment, data_dir, reference, repeats))
     return rows
 
@@ -127,7 +151,7 @@ def bench_trm(
 def format_rows(rows: list[TrmRow]) -> str:
     head = (
         f"{'variant':<10} {'impl':<9} {'hidden':>6} {'batch':>5} {'device':>6} {'dtype':>8} {'step s':>8} "
-        f"{'samples/s':>10} {'GFLOP/step':>10} {'GFLOP/s':>8} {'matmul':>8} {'fraction':>8} {'ratio':>6}"
+        f"{'samples/s':>10} {'GFLOP/step':>10} {'GFLOP/s':>8} {'matmul':>8} {'fraction':>8} {'ratio':>6} compiled"
     )
     lines = [head]
     for r in rows:
@@ -135,7 +159,7 @@ def format_rows(rows: list[TrmRow]) -> str:
         lines.append(
             f"{r.variant:<10} {r.impl:<9} {r.hidden:>6} {r.batch:>5} {r.device:>6} {r.dtype:>8} {r.step_seconds:>8.3f} "
             f"{r.samples_per_sec:>10.2f} {r.gflop_per_step:>10.1f} {r.gflops:>8.1f} {r.matmul_gflops:>8.1f} "
-            f"{r.fraction_of_matmul:>8.2f} {ratio}"
+            f"{r.fraction_of_matmul:>8.2f} {ratio} {r.compiled}"
         )
     return "\n".join(lines)
 

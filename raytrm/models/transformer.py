@@ -80,6 +80,9 @@ class Transformer(nn.Module):
                 block.mlp.down_proj.weight.mul_(1 / math.sqrt(2 * config.layers))
         logger.debug("transformer %s: %d parameters, forward dtype %s", config.task, self.num_parameters(), dtype)
 
+    #: The region raytrm.train.compile compiles: the whole forward (its blocks differ only in their weights).
+    compile_regions = ("forward",)
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

@@ -143,6 +143,8 @@ class TRM(nn.Module):
 
     z_H_init: torch.Tensor
     z_L_init: torch.Tensor
+    #: The region raytrm.train.compile compiles: one round, reused by every round of every step.
+    compile_regions = ("_round",)
 
     def __init__(
         self,

@@ -30,6 +30,7 @@ from raytrm.distributed.shares import shard, split
 from raytrm.distributed.sync import GradientSync, LocalSync, OverlappedAllReduce
 from raytrm.hardware import device as devices
 from raytrm.models.trm import Carry
+from raytrm.train.compile import compile_regions, plan_compile
 from raytrm.train.memory import cut
 from raytrm.train.metrics import ResourceSampler
 from raytrm.train.oom import is_out_of_memory
@@ -98,6 +99,8 @@ class Trainer:
             # Every worker applies SignSGD to the union of the rows all workers touched, so tables stay equal.
             self.sparse_optimizer.gather = self.sync.gather_rows
         self.ema = ModelEMA(self.model, decay=train.ema_decay, warmup=train.ema_warmup) if train.ema else None
+        #: The model's regions running compiled (after the EMA's copy, which stays eager for evaluation).
+        self.compiled = compile_regions(self.model, plan_compile(train.compile, self.device.type))
         #: Tokens per training sample where throughput is counted in tokens (the language model), else None.
         self.tokens_per_sample = self.task.tokens_per_sample
 
