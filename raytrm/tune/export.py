@@ -48,13 +48,17 @@ def _study(state: dict[str, Any], name: str) -> optuna.Study:
     return optuna.load_study(study_name=name, storage=state["storage"])
 
 
-def best_speed(run_dir: Path, tier: str) -> dict[str, Any] | None:
-    """The fastest feasible speed trial of a staged run's tier: its params, samples/s and number; None if none."""
+def speed_options(run_dir: Path, tier: str) -> list[dict[str, Any]]:
+    """A staged run's tier's feasible speed trials, fastest first: params, samples/s and number of each."""
     state = _state(run_dir)
     best = objectives.best_trials(_study(state, state["studies"][tier]), "throughput")
-    if not best:
-        return None
-    return {"params": dict(best[0].params), "samples_per_sec": best[0].values[0], "trial": best[0].number}
+    return [{"params": dict(t.params), "samples_per_sec": t.values[0], "trial": t.number} for t in best]
+
+
+def best_speed(run_dir: Path, tier: str) -> dict[str, Any] | None:
+    """The fastest feasible speed trial of a staged run's tier; None if none fits."""
+    options = speed_options(run_dir, tier)
+    return options[0] if options else None
 
 
 def _remote_trial(tier: str) -> Any:
@@ -76,24 +80,28 @@ def reached_horizon(run_dir: Path) -> list[optuna.trial.FrozenTrial]:
 
 def measure_rates(run_dir: Path, tiers: list[str]) -> None:
     """Time each learning config that reached the horizon on every tier it did not train on (Ray connected), with
-    that tier's speed knobs: short runs, kept in rates/TIER-N.json (a resumed run keeps what is there)."""
+    that tier's fastest speed knobs that fit it there (staged.time_with_fitting_speed): short runs, kept in
+    rates/TIER-N.json (a resumed run keeps what is there)."""
     import ray
 
     state = _state(run_dir)
     space = _space(run_dir, state)
     setup = stage_setup(space, run_dir, tiers, "speed")
-    pending = {}
+    jobs, trials = {}, {t.number: t for t in reached_horizon(run_dir)}
     for tier in tiers:
-        speed = best_speed(run_dir, tier)
-        for trial in reached_horizon(run_dir):
-            path = run_dir / RATES_DIR / f"{tier}-{trial.number}.json"
-            if speed is None or trial.user_attrs.get("tier") == tier or path.is_file():
-                continue
-            config = {"tier": tier, "trial_number": trial.number, "params": dict(trial.params)}
-            config["speed"] = speed["params"]
-            pending[path] = _remote_trial(tier).remote(config, setup)
-    for path, ref in pending.items():
-        result = ray.get(ref)
+        options = speed_options(run_dir, tier)
+        for number, trial in trials.items():
+            path = run_dir / RATES_DIR / f"{tier}-{number}.json"
+            if options and trial.user_attrs.get("tier") != tier and not path.is_file():
+                jobs[(tier, number)] = options
+
+    def submit(job: tuple[str, int], option: dict[str, Any]) -> Any:
+        tier, number = job
+        config = {"tier": tier, "trial_number": number, "params": dict(trials[number].params)}
+        return _remote_trial(tier).remote({**config, "speed": option["params"]}, setup)
+
+    for (tier, number), result in staged.time_with_fitting_speed(jobs, submit, ray.get).items():
+        path = run_dir / RATES_DIR / f"{tier}-{number}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         cfg.write_text_atomic(json.dumps(result, default=str), path)
         logger.info("%s: %.1f samples/s (%s)", path.name, result.get("samples_per_sec") or 0, result.get("status"))
@@ -173,7 +181,10 @@ def _verify_staged(run_dir: Path, tier: str) -> dict[str, Any] | None:
     space = _space(run_dir, _state(run_dir))
     setup = stage_setup(space, run_dir, [tier], "speed")
     setup["measure"]["measure_s"] = space.verify_s
-    config = {"tier": tier, "trial_number": feasible[0].trial, "params": feasible[0].params, "speed": speed["params"]}
+    best = feasible[0]
+    # The speed settings it was timed with there: the tier's fastest, or the next that fit it.
+    config = {"tier": tier, "trial_number": best.trial, "params": best.params}
+    config["speed"] = best.rate.get("speed_params") or speed["params"]
     result = ray.get(_remote_trial(tier).remote(config, setup))
     result["trial"] = feasible[0].trial
     path = run_dir / VERIFY_DIR / f"{tier}.json"
@@ -356,7 +367,13 @@ def _staged_lines(run_dir: Path, tier: str, state: dict[str, Any]) -> list[str]:
         r = c.reached
         error = f" +-{r.stderr:.2g}" if r.stderr else ""
         how = "extrapolated past its curve" if r.extrapolated else "on its curve"
-        lines.append(f"  {label:<9} #{c.trial}: {format_params(c.params) or 'base settings'}")
+        own_cut = c.rate.get("speed_params")
+        cut = (
+            f"  (with {format_params(own_cut)}: the tier's pick did not fit it)"
+            if own_cut and own_cut != speed["params"]
+            else ""
+        )
+        lines.append(f"  {label:<9} #{c.trial}: {format_params(c.params) or 'base settings'}{cut}")
         lines.append(
             f"            quality={r.quality:.4g}{error} at {r.samples:,.0f} samples ({how}; trained on "
             f"{c.trained_on})  "

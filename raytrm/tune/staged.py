@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from raytrm.tune import objectives
@@ -210,6 +210,36 @@ def candidates(
     return sorted(out, key=lambda c: (not c.feasible, -c.reached.quality, -(c.rate.get("samples_per_sec") or 0)))
 
 
+#: How many of a tier's speed settings, fastest first, a config is tried with before it counts as not fitting there.
+SPEED_TRIES = 3
+
+
+def time_with_fitting_speed(
+    jobs: dict[Any, list[dict[str, Any]]],
+    submit: Callable[[Any, dict[str, Any]], Any],
+    wait: Callable[[Any], dict[str, Any]],
+    tries: int = SPEED_TRIES,
+) -> dict[Any, dict[str, Any]]:
+    """Time each job (a config on a tier) with the tier's fastest speed setting; one whose run breaks the tier's
+    limits there (a deeper or wider config may not fit the cut the base config did) runs again with the next
+    setting, up to `tries`. Jobs run in rounds, each round's runs submitted together (one per job) before any is
+    waited for. Returns each job's last result, with the speed settings it ran with ("speed_params")."""
+    option = dict.fromkeys(jobs, 0)
+    results: dict[Any, dict[str, Any]] = {}
+    pending = [job for job, options in jobs.items() if options]
+    while pending:
+        refs = {job: submit(job, jobs[job][option[job]]) for job in pending}
+        pending = []
+        for job, ref in refs.items():
+            result = {**wait(ref), "speed_params": jobs[job][option[job]]["params"]}
+            results[job] = result
+            fits = result.get("status") == "ok" and objectives.is_feasible(objectives.constraints(result))
+            if not fits and option[job] + 1 < min(tries, len(jobs[job])):
+                option[job] += 1
+                pending.append(job)
+    return results
+
+
 _RATE_KEYS = (
     "status",
     "samples_per_sec",
@@ -221,4 +251,5 @@ _RATE_KEYS = (
     "max_throughput_decay",
     "error",
     "hardware",
+    "speed_params",
 )

@@ -121,3 +121,34 @@ def test_a_config_over_a_tiers_memory_budget_there_ranks_after_every_one_that_fi
 
 def test_a_config_not_yet_timed_on_a_tier_is_left_out_there():
     assert staged.candidates([trial(0, "studio", CURVE, 100.0)], {}, Horizon(minutes=1), "air") == []
+
+
+def test_a_config_that_does_not_fit_the_tiers_fastest_cut_is_timed_with_the_next():
+    # Tier air's speed settings, fastest first; config 1 (wider) is over air's memory budget at micro-batch 32.
+    options = [{"params": {"training.micro_batch_size": m}} for m in (32, 16, 8)]
+    peaks = {(0, 32): 300.0, (1, 32): 1500.0, (1, 16): 800.0}
+    submitted = []
+
+    def submit(job, option):
+        micro = option["params"]["training.micro_batch_size"]
+        submitted.append((job, micro))
+        return {
+            "status": "ok",
+            "samples_per_sec": 100.0,
+            "peak_memory_mb": peaks[(job[1], micro)],
+            "memory_budget_mb": 1000,
+        }
+
+    results = staged.time_with_fitting_speed({("air", 0): options, ("air", 1): options}, submit, lambda ref: ref)
+    # One round with every job's fastest setting, then only the job that did not fit, with the next.
+    assert submitted == [(("air", 0), 32), (("air", 1), 32), (("air", 1), 16)]
+    assert results[("air", 1)]["speed_params"] == {"training.micro_batch_size": 16}
+    assert results[("air", 0)]["speed_params"] == {"training.micro_batch_size": 32}
+
+
+def test_a_config_that_fits_no_cut_keeps_its_last_try_and_ranks_as_not_fitting():
+    options = [{"params": {"training.micro_batch_size": m}} for m in (32, 16, 8, 4)]
+    over = {"status": "over_budget", "samples_per_sec": 0.0, "peak_memory_mb": 2000.0, "memory_budget_mb": 1000}
+    calls = []
+    results = staged.time_with_fitting_speed({"job": options}, lambda job, o: calls.append(o) or over, lambda r: r)
+    assert len(calls) == staged.SPEED_TRIES and results["job"]["status"] == "over_budget"
