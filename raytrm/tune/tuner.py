@@ -1,11 +1,15 @@
-"""`raytrm tune`: one Optuna study per machine tier, driven by Ray Tune, stored in the run directory, resumable.
+"""`raytrm tune`: Optuna studies driven by Ray Tune, stored in the run directory, resumable.
+
+A space with a horizon and the quality objective is tuned in stages (raytrm.tune.staged): a speed study per tier,
+then one learning study that every tier's machines share, then each finished config timed on the other tiers. Any
+other space has one study per tier, every knob in it.
 
 The run directory holds tune.yaml (the space as validated, the tiers and the study names), study.db (the Optuna
 RDB storage: `optuna trials --study-name NAME --storage sqlite:///RUN_DIR/study.db` reads it), trials/ (each
-trial's result as JSON), ray/ (Ray Tune's own logs), verify/ (the re-run of each tier's best settings), profiles/
-(one profile per tier) and the plots.
+trial's result as JSON), rates/ (staged: configs timed on other tiers), ray/ (Ray Tune's own logs), verify/ (the
+re-run of each tier's best settings), profiles/ (one profile per tier) and the plots.
 
-Resume: the study is the state. A resumed driver records trials whose result reached trials/ but not the study
+Resume: the studies are the state; a staged run resumes each stage in order. A resumed driver records trials whose result reached trials/ but not the study
 (its driver died between the two), marks trials that were still running as FAIL (they are not rerun: a FAIL does
 not count and a new trial, with a new suggestion, replaces it), and runs only what the requested count still needs.
 """
