@@ -412,7 +412,9 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> 
     optimizer.load_state_dict(state)
     for old, group in zip(before, optimizer.param_groups, strict=True):
         for key, value in old.items():
-            new = group.get(key, value)
+            if key not in group:  # torch takes the saved groups whole: a key they lack is gone until a step needs it
+                raise KeyError(f"optimizer hyperparameter {key!r} is missing")
+            new = group[key]
             if _number(value) and not _number(new):
                 raise TypeError(f"optimizer hyperparameter {key!r}: got {new!r}, expected a number")
             if isinstance(value, tuple) and not (

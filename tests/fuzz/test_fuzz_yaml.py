@@ -149,7 +149,7 @@ def test_tune_spaces(tmp_path, tiers_read_once):
     seed = yaml.safe_load((spaces_dir() / "quick.yaml").read_text())
     seed.update(
         tiers=["macbook-air-8gb", "generic-linux-24gb"],
-        start_with=[{"training.micro_batch_size": 16, "model.H_cycles": 2}],
+        start_with=[{"training.micro_batch_size": 16, "model.L_cycles": 2}],
         horizon={"minutes": 30},
         pareto={"throughput_slack": 0.1},
         startup_trials=3,
