@@ -1,5 +1,5 @@
 """`raytrm tune` against a local Ray: a real study of tiny TRM trials, export, train --profile, over-budget trials,
-resume after the driver is killed, and two tiers on two logical nodes."""
+resume after the driver is killed, and a staged run over two tiers on two logical nodes."""
 
 from __future__ import annotations
 
@@ -185,24 +185,6 @@ def test_resume_after_the_driver_is_killed(ray_cluster, tmp_path):
     assert (run / "profiles" / f"{TIER_A}.yaml").is_file()
 
 
-def test_two_tiers_run_on_their_own_nodes_one_trial_at_a_time(ray_cluster, tmp_path):
-    run = tmp_path / "run"
-    path = space_file(tmp_path, "tiers", trials=2, tiers=[TIER_A, TIER_B])
-    paths = run_tune(str(path), out=str(run), stream=io.StringIO())
-    assert set(paths) == {TIER_A, TIER_B}
-    spans = {}
-    for tier in (TIER_A, TIER_B):
-        trials = complete(study(run, f"tiers-{tier}"))
-        assert len(trials) == 2
-        for t in trials:
-            assert t.user_attrs["node_id"] == ray_cluster.node_ids[tier], (tier, t.user_attrs["node_id"])
-        spans[tier] = sorted((t.user_attrs["started_at"], t.user_attrs["ended_at"]) for t in trials)
-        for (_, end), (start, _) in zip(spans[tier], spans[tier][1:], strict=False):
-            assert start >= end, f"two trials at once on the {tier} node"
-    a, b = spans[TIER_A], spans[TIER_B]
-    assert any(sa < eb and sb < ea for sa, ea in a for sb, eb in b), "the two machines never worked in parallel"
-
-
 def test_staged_tiers_share_the_learning_curves_and_each_gets_its_own_speed_and_pick(ray_cluster, tmp_path):
     run = tmp_path / "run"
     path = space_file(
@@ -221,11 +203,16 @@ def test_staged_tiers_share_the_learning_curves_and_each_gets_its_own_speed_and_
     paths = run_tune(str(path), out=str(run), stream=out)
     assert set(paths) == {TIER_A, TIER_B}, out.getvalue()
     nodes = ray_cluster.node_ids
-    speed = {}
+    speed, spans = {}, {}
     for tier in (TIER_A, TIER_B):
         trials = complete(study(run, f"staged-{tier}-speed"))
         assert len(trials) == 2 and {t.user_attrs["node_id"] for t in trials} == {nodes[tier]}
         speed[tier] = max(trials, key=lambda t: t.values[0])
+        spans[tier] = sorted((t.user_attrs["started_at"], t.user_attrs["ended_at"]) for t in trials)
+        for (_, end), (start, _) in zip(spans[tier], spans[tier][1:], strict=False):
+            assert start >= end, f"two trials at once on the {tier} node"
+    a, b = spans[TIER_A], spans[TIER_B]
+    assert any(sa < eb and sb < ea for sa, ea in a for sb, eb in b), "the two machines never worked in parallel"
     # The two learning trials ran at once, one on each machine, each with its own tier's fastest micro-batch.
     learning = complete(study(run, "staged-learning"))
     assert sorted(t.user_attrs["tier"] for t in learning) == sorted([TIER_A, TIER_B])
