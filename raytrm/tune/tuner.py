@@ -9,9 +9,10 @@ RDB storage: `optuna trials --study-name NAME --storage sqlite:///RUN_DIR/study.
 trial's result as JSON), rates/ (staged: configs timed on other tiers), ray/ (Ray Tune's own logs), verify/ (the
 re-run of each tier's best settings), profiles/ (one profile per tier) and the plots.
 
-Resume: the studies are the state; a staged run resumes each stage in order. A resumed driver records trials whose result reached trials/ but not the study
-(its driver died between the two), marks trials that were still running as FAIL (they are not rerun: a FAIL does
-not count and a new trial, with a new suggestion, replaces it), and runs only what the requested count still needs.
+Resume: the studies are the state; a staged run resumes each stage in order. A resumed driver records trials
+whose result reached trials/ but not the study (its driver died between the two), marks trials that were still
+running as FAIL (they are not rerun: a FAIL does not count and a new trial, with a new suggestion, replaces it), and
+runs only what the requested count still needs.
 """
 
 from __future__ import annotations
