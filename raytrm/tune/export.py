@@ -100,7 +100,13 @@ def measure_rates(run_dir: Path, tiers: list[str]) -> None:
         config = {"tier": tier, "trial_number": number, "params": dict(trials[number].params)}
         return _remote_trial(tier).remote({**config, "speed": option["params"]}, setup)
 
-    for (tier, number), result in staged.time_with_fitting_speed(jobs, submit, ray.get).items():
+    def wait(ref: Any) -> dict[str, Any]:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayError as e:  # the tier's node left mid-run: recorded, and the other runs go on
+            return {"status": "failed", "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"}
+
+    for (tier, number), result in staged.time_with_fitting_speed(jobs, submit, wait).items():
         path = run_dir / RATES_DIR / f"{tier}-{number}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         cfg.write_text_atomic(json.dumps(result, default=str), path)
