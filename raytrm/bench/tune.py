@@ -17,7 +17,6 @@ the tier's hand-written defaults from tiers.yaml), in alternation, and prints bo
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import math
 import statistics
@@ -31,6 +30,7 @@ from raytrm import config as cfg
 from raytrm.errors import UserError
 from raytrm.tune import objectives
 from raytrm.tune.curves import extrapolate, horizon_rungs, is_speed_knob
+from raytrm.tune.params import grid_points
 from raytrm.tune.search import make_sampler, optimize
 from raytrm.tune.space import SearchSpace, build_experiment, describe_horizon, horizon_of, load_space
 
@@ -39,13 +39,10 @@ MICRO = "training.micro_batch_size"
 
 def grid(space: SearchSpace) -> list[dict[str, Any]]:
     """Every combination of the space's parameters (each must be discrete)."""
-    values = {}
     for name, p in space.parsed.items():
-        v = p.values()
-        if v is None or p.type == "float":
+        if p.values() is None or p.type == "float":
             raise UserError(f"{space.source}: params.{name}: the replay bench needs discrete parameters (choices/int)")
-        values[name] = v
-    return [dict(zip(values, combo, strict=True)) for combo in itertools.product(*values.values())]
+    return grid_points(space.parsed) or []
 
 
 def measure_grid(space: SearchSpace, out: Path) -> list[dict[str, Any]]:

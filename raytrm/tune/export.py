@@ -253,25 +253,8 @@ def _staged_profile(run_dir: Path, tier: str, state: dict[str, Any]) -> cfg.Prof
         "throughput_decay": rate.get("throughput_decay"),
         **verify,
     }
-    hardware = {k: v for k, v in (rate.get("hardware") or {}).items() if k in cfg.HardwareSummary.__annotations__}
-    data = {
-        "tier": tier,
-        "hardware": hardware,
-        **{k: experiment[k] for k in ("model", "data", "training")},
-        "limits": {
-            "memory_budget_mb": int(rate.get("memory_budget_mb") or 1),
-            "thermal_cap": rate.get("thermal_cap") or "fair",
-        },
-        "measured": {
-            "samples_per_sec": rate.get("samples_per_sec") or 0.0,
-            "peak_memory_mb": rate.get("peak_memory_mb") or 0.0,
-            "thermal_max": rate.get("thermal_max") or "unknown",
-            "objective": objective,
-            "trial": best.trial,
-            "study": f"{state['learning_study']} @ {state['storage']}",
-        },
-    }
-    return cfg.from_dict(cfg.Profile, data, f"{run_dir} (tier {tier})")
+    study = f"{state['learning_study']} @ {state['storage']}"
+    return _profile(run_dir, tier, experiment, rate, objective, best.trial, study)
 
 
 def build_profile(run_dir: Path, tier: str) -> cfg.Profile:
@@ -296,22 +279,37 @@ def build_profile(run_dir: Path, tier: str) -> cfg.Profile:
         horizon=horizon_of(space),
     )
     objective.update(_verified(run_dir, trial=trial.number, tier=tier, quality=not horizon_of(space)))
-    hardware = {k: v for k, v in (attrs.get("hardware") or {}).items() if k in cfg.HardwareSummary.__annotations__}
+    study = f"{state['studies'][tier]} @ {state['storage']}"
+    return _profile(run_dir, tier, experiment, attrs, objective, trial.number, study)
+
+
+def _profile(
+    run_dir: Path,
+    tier: str,
+    experiment: dict[str, Any],
+    figures: dict[str, Any],
+    objective: dict[str, Any],
+    trial: int,
+    study: str,
+) -> cfg.Profile:
+    """A profile from the settings that were measured, the run's figures for them (limits, samples/s, peak, heat,
+    hardware: a trial's or a rate run's) and the objective's record."""
+    hardware = {k: v for k, v in (figures.get("hardware") or {}).items() if k in cfg.HardwareSummary.__annotations__}
     data = {
         "tier": tier,
         "hardware": hardware,
         **{k: experiment[k] for k in ("model", "data", "training")},
         "limits": {
-            "memory_budget_mb": int(attrs.get("memory_budget_mb") or 1),
-            "thermal_cap": attrs.get("thermal_cap") or "fair",
+            "memory_budget_mb": int(figures.get("memory_budget_mb") or 1),
+            "thermal_cap": figures.get("thermal_cap") or "fair",
         },
         "measured": {
-            "samples_per_sec": attrs.get("samples_per_sec", 0.0),
-            "peak_memory_mb": attrs.get("peak_memory_mb", 0.0),
-            "thermal_max": attrs.get("thermal_max", "unknown"),
+            "samples_per_sec": figures.get("samples_per_sec") or 0.0,
+            "peak_memory_mb": figures.get("peak_memory_mb") or 0.0,
+            "thermal_max": figures.get("thermal_max") or "unknown",
             "objective": objective,
-            "trial": trial.number,
-            "study": f"{state['studies'][tier]} @ {state['storage']}",
+            "trial": trial,
+            "study": study,
         },
     }
     return cfg.from_dict(cfg.Profile, data, f"{run_dir} (tier {tier})")

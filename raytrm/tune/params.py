@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +125,20 @@ def parse_param(name: str, raw: Any, base: cfg.ExperimentConfig, source: str) ->
     if p.step is not None and p.type == "int" and (p.high - p.low) % p.step:
         raise ConfigError(source, where, raw, "high - low a multiple of step", "adjust high to the grid")
     return p
+
+
+def grid_size(params: dict[str, ParamSpec]) -> int | None:
+    """How many distinct points the parameters have; None when one of them is continuous or huge."""
+    sizes = [p.values() for p in params.values()]
+    return None if any(v is None for v in sizes) else math.prod(len(v) for v in sizes)
+
+
+def grid_points(params: dict[str, ParamSpec]) -> list[dict[str, Any]] | None:
+    """Every point of the parameters' grid, in order; None when one of them is continuous or huge."""
+    values = [p.values() for p in params.values()]
+    if any(v is None for v in values):
+        return None
+    return [dict(zip(params, combo, strict=True)) for combo in itertools.product(*values)]
 
 
 def suggest(trial: Any, params: dict[str, ParamSpec]) -> dict[str, Any]:

@@ -9,10 +9,8 @@ FAIL the sampler ignores). This module needs no Ray.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-import math
 import random
 import warnings
 from collections.abc import Callable
@@ -22,7 +20,7 @@ import optuna
 
 from raytrm.tune import objectives
 from raytrm.tune.curves import HORIZON_ETA
-from raytrm.tune.params import ParamSpec, suggest
+from raytrm.tune.params import ParamSpec, grid_points, grid_size, suggest
 from raytrm.tune.space import SearchSpace, horizon_of
 
 logger = logging.getLogger(__name__)
@@ -56,6 +54,10 @@ KEPT = (
 )
 
 
+#: The largest grid whose points the sampler keeps track of, to draw no point twice.
+MAX_GRID = 4096
+
+
 def make_sampler(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
     """The space's sampler; TPE and GP use the trials' constraints (optuna 5 reads trial.constraints). On a grid
     (every parameter discrete) it never proposes a point already tried while untried ones remain."""
@@ -69,15 +71,10 @@ def make_sampler(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
             sampler = optuna.samplers.TPESampler(
                 seed=seed, n_startup_trials=space.n_startup, multivariate=True, constant_liar=True
             )
-    grid = _grid(space.parsed)
-    return NoRepeats(sampler, space.parsed, grid, seed) if grid else sampler
-
-
-def _grid(params: dict[str, ParamSpec]) -> list[dict[str, Any]] | None:
-    values = [p.values() for p in params.values()]
-    if not params or any(v is None for v in values) or math.prod(len(v) for v in values) > 4096:
-        return None
-    return [dict(zip(params, combo, strict=True)) for combo in itertools.product(*values)]
+    size = grid_size(space.parsed)
+    if not space.parsed or not size or size > MAX_GRID:
+        return sampler
+    return NoRepeats(sampler, space.parsed, grid_points(space.parsed), seed)
 
 
 def _distribution(p: ParamSpec) -> optuna.distributions.BaseDistribution:

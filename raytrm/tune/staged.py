@@ -31,6 +31,7 @@ from typing import Any
 
 from raytrm.tune import objectives
 from raytrm.tune.curves import extrapolate, is_speed_knob, quality_at
+from raytrm.tune.params import grid_points, grid_size
 from raytrm.tune.space import Horizon, SearchSpace, horizon_of
 
 #: A tier slower than the fastest trains its learning trials this much longer again, so the curve covers the fastest
@@ -49,12 +50,6 @@ def speed_study(space: SearchSpace, tier: str) -> str:
 
 def learning_study(space: SearchSpace) -> str:
     return f"{space.name}-learning"
-
-
-def grid_size(params: dict[str, Any]) -> int | None:
-    """How many distinct points the parameters have; None when one of them is continuous or huge."""
-    sizes = [p.values() for p in params.values()]
-    return None if any(v is None for v in sizes) else math.prod(len(v) for v in sizes)
 
 
 def _points(start_with: Sequence[dict[str, Any]], names: Sequence[str]) -> list[dict[str, Any]]:
@@ -107,9 +102,7 @@ def _with_grid(start_with: list[dict[str, Any]], parsed: dict[str, Any], size: i
     """The start points, then every other point of a grid that the trials cover whole."""
     if not size or size > trials:
         return start_with
-    names = list(parsed)
-    combos = itertools.product(*(parsed[n].values() for n in names))
-    return start_with + [p for p in (dict(zip(names, c, strict=True)) for c in combos) if p not in start_with]
+    return start_with + [p for p in grid_points(parsed) or [] if p not in start_with]
 
 
 def stretch(rates: dict[str, float], tier: str) -> float:
