@@ -73,7 +73,11 @@ def step_rates(batch: int, flops: float, seconds: float, ceiling: float) -> dict
 
 
 def count_flops(fn: Callable[[], object]) -> int:
-    """FLOPs of the matrix products, convolutions and attention one call of fn performs, counted by torch."""
-    with FlopCounterMode(display=False) as counter:
+    """FLOPs of the matrix products, convolutions and attention one call of fn performs, counted by torch.
+
+    The call runs eagerly: compiled code would not be seen by the counter, and compiling under it would trace a
+    second graph for the counter alone.
+    """
+    with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
         fn()
     return int(counter.get_total_flops())

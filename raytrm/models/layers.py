@@ -74,8 +74,12 @@ class _AddRMSNorm(torch.autograd.Function):
 
 
 def add_rms_norm(x: torch.Tensor, f: torch.Tensor, eps: float, dim: int = -1) -> torch.Tensor:
-    """rms_norm(x + f, eps, dim): a residual add and the norm after it, fused where the states are fp32 (or fp64)."""
-    if x.dtype == f.dtype and x.dtype in (torch.float32, torch.float64):
+    """rms_norm(x + f, eps, dim): a residual add and the norm after it, fused where the states are fp32 (or fp64).
+
+    Under torch.compile the plain formula is traced instead: inductor fuses it and derives its backward itself, and
+    a hand-written autograd.Function would only cut the graph.
+    """
+    if x.dtype == f.dtype and x.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
         return _AddRMSNorm.apply(x, f, eps, dim)
     # Half-precision states keep autograd's formula, which saves the fp32 sum for an exact backward.
     return rms_norm(x + f, eps, dim)
@@ -109,7 +113,10 @@ class _SwiGLUGate(torch.autograd.Function):
 
 
 def swiglu_gate(gate_up: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """silu(gate) * up, where gate and up are the two halves of gate_up along dim."""
+    """silu(gate) * up, where gate and up are the two halves of gate_up along dim (plain under torch.compile)."""
+    if torch.compiler.is_compiling():
+        gate, up = gate_up.chunk(2, dim)
+        return F.silu(gate) * up
     return _SwiGLUGate.apply(gate_up, dim)
 
 
@@ -237,10 +244,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
     The tables are in the rotate-half layout of RotaryEmbedding (both halves of the last dimension equal).
     """
-    if x.dtype in (torch.float32, torch.float64):
+    if x.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
         half = x.shape[-1] // 2
         return _Rotary.apply(x, cast(cos[..., :half], x.dtype), cast(sin[..., :half], x.dtype))
-    # Half-precision inputs rotate in fp32, as the reference does.
+    # Half-precision inputs rotate in fp32, as the reference does; under torch.compile inductor fuses this.
     h = cast(x, torch.float32)
     h1, h2 = h.chunk(2, dim=-1)
     return cast(h * cos + torch.cat((-h2, h1), dim=-1) * sin, x.dtype)

@@ -81,7 +81,7 @@ def test_running_out_of_memory_in_a_compiled_region_is_not_a_compile_failure():
 
 def test_the_trainer_logs_its_plan_and_stays_eager_on_a_cpu(tiny, caplog):
     with caplog.at_level(logging.INFO, logger="raytrm.train.compile"):
-        trainer = Trainer(tiny())
+        trainer = Trainer(tiny(training={"device": "cpu"}))
     try:
         assert trainer.compiled == [] and "compile plan: cpu: eager" in caplog.text
     finally:
@@ -99,7 +99,7 @@ def test_a_compiled_round_trains_to_the_eager_numbers(tiny, monkeypatch):
             monkeypatch.setattr(
                 "raytrm.train.trainer.plan_compile", lambda *a, backend=backend: CompilePlan(backend, None, "test")
             )
-        trainer = Trainer(tiny())
+        trainer = Trainer(tiny(training={"device": "cpu"}))
         try:
             assert trainer.compiled == (["_round"] if backend else [])
             losses[backend] = [trainer.train_step().loss for _ in range(3)]
