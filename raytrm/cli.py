@@ -314,7 +314,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
             tf_rows = transformer.bench_transformer(
-                args.seq_lens, hidden, args.batch, args.threads, args.device, Path(work), args.repeats, args.dtype
+                args.seq_lens,
+                hidden,
+                args.batch,
+                args.threads,
+                args.device,
+                Path(work),
+                args.repeats,
+                args.dtype,
+                reference=args.nanogpt,
+                compile_mode=args.compile,
             )
         print(transformer.format_rows(tf_rows))
         results = transformer.as_json(tf_rows)
@@ -473,9 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
         "what",
         choices=("trm", "transformer", "memory", "tune", "distributed"),
         help="trm: TRM training samples/s and fraction of the matmul rate; transformer: byte-level LM training "
-        "tokens/s and fraction of the matmul rate; memory: the memory model's prediction error and the cost of "
-        "per-step monitoring; distributed: unequal workers with balanced and equal shares against their solo sum, Ray "
-        "Train's per-step cost, gradient sync per link, scaling over GPUs",
+        "tokens/s and fraction of the matmul rate, beside a nanoGPT-style reference of the same shape; memory: the "
+        "memory model's prediction error and the cost of per-step monitoring; distributed: unequal workers with "
+        "balanced and equal shares against their solo sum, Ray Train's per-step cost, gradient sync per link, scaling "
+        "over GPUs",
     )
     p.add_argument(
         "--seq-lens", nargs="+", type=int, default=[128, 256, 512], help="transformer: sequence lengths to time"
@@ -504,8 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--reference",
         metavar="DIR",
-        help="a checkout of the TRM reference (SamsungSAILMontreal/TinyRecursiveModels): add its training step's row"
-        " beside each raytrm row, measured in the same run",
+        help="trm: a checkout of the TRM reference (SamsungSAILMontreal/TinyRecursiveModels): add its training step's"
+        " row beside each raytrm row, measured in the same run",
     )
     p.add_argument(
         "--compile",
@@ -513,8 +523,14 @@ def build_parser() -> argparse.ArgumentParser:
         const="on",
         default="off",
         choices=("off", "on", "cudagraphs"),
-        help="trm: compile raytrm's step (training.compile; cudagraphs adds CUDA graphs) and the reference's model "
-        "as its pretrain.py does (torch.compile); default: both eager",
+        help="trm and transformer: compile raytrm's step (training.compile; cudagraphs adds CUDA graphs) and the "
+        "reference's model (torch.compile, as TRM's pretrain.py and nanoGPT's compile=True do); default: both eager",
+    )
+    p.add_argument(
+        "--no-reference",
+        dest="nanogpt",
+        action="store_false",
+        help="transformer: time raytrm alone, without the nanoGPT-style reference row beside each raytrm row",
     )
     p.add_argument(
         "--parts",

@@ -1,9 +1,15 @@
 """`raytrm bench transformer`: byte-level LM training tokens/s against this machine's matrix-multiply ceiling.
 
-Each row is the real Trainer's `train_step` (data, forward, backward, loss, optimizer, EMA) at one width and sequence
-length, on a generated text corpus. Its model FLOPs are counted by torch's FLOP counter on one step, and the matmul
-ceiling is measured in the same run, once per round between the timed steps, so the fraction compares like with
-like on a noisy machine.
+Each `raytrm` row is the real Trainer's `train_step` (data, forward, backward, loss, optimizer, EMA) at one width and
+sequence length, on a generated text corpus. Its model FLOPs are counted by torch's FLOP counter on one step, and the
+matmul ceiling is measured in the same run, once per round between the timed steps, so the fraction compares like
+with like on a noisy machine.
+
+A `nanogpt` row follows each raytrm row: a plain nanoGPT-style model and training step of the same width, depth,
+heads, sequence length and batch, on the same device and forward dtype, drawing windows of the same corpus
+(`raytrm.bench.nanogpt`). The two steps are timed in alternation, so a change in the machine's load reaches both rows
+alike, and `ratio` is raytrm's tokens/s over the reference's. Their blocks differ as the two designs do (raytrm:
+RMSNorm, RoPE, SwiGLU, EMA; nanoGPT: LayerNorm, learned positions, GELU MLP), so each row's FLOPs are its own count.
 """
 
 from __future__ import annotations
@@ -11,13 +17,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from raytrm import config as cfg
+from raytrm.bench.nanogpt import NanoGPTTrainer
 from raytrm.bench.timing import measure_steps, step_rates
 from raytrm.constants import CACHE_DIR_ENV
 from raytrm.train.trainer import Trainer
@@ -44,6 +51,12 @@ class TransformerRow:
     gflops: float
     matmul_gflops: float
     fraction_of_matmul: float
+    #: "raytrm", or "nanogpt" for the nanoGPT-style reference's training step.
+    impl: str = "raytrm"
+    #: On a raytrm row measured beside the reference: raytrm tokens/s / reference tokens/s.
+    ratio: float | None = None
+    #: How the step ran: "off" (eager), raytrm's training.compile, or "torch.compile" for the reference.
+    compiled: str = "off"
 
 
 def _corpus(path: Path) -> Path:
@@ -70,25 +83,51 @@ def _cache_in(directory: Path) -> Iterator[None]:
             os.environ[CACHE_DIR_ENV] = old
 
 
-def _measure(experiment: cfg.ExperimentConfig, repeats: int) -> TransformerRow:
+def _compiled(trainer: Trainer, mode: str) -> str:
+    """raytrm's compile as it ran: the mode asked for, or "off" where the plan stayed eager or compiling failed."""
+    failed = any(getattr(getattr(trainer.model, name), "failed", None) for name in trainer.compiled)
+    return mode if trainer.compiled and not failed else "off"
+
+
+def _measure_pair(
+    experiment: cfg.ExperimentConfig, corpus: Path, reference: bool, repeats: int
+) -> list[TransformerRow]:
+    """raytrm's row at one config, and the nanoGPT-style reference's beside it when asked for."""
     trainer = Trainer(experiment)
+    steps: list[tuple[str, Callable[[], object]]] = [("raytrm", trainer.train_step)]
+    if reference:
+        # Compiled exactly where raytrm's compile plan compiles (not on a CPU without a C++ compiler, say).
+        ref = NanoGPTTrainer(experiment, corpus, trainer.device, trainer.dtype, compile_model=bool(trainer.compiled))
+        steps.append(("nanogpt", ref.train_step))
     try:
-        (flops,), (seconds,), ceiling = measure_steps([trainer.train_step], trainer.device, trainer.dtype, repeats)
+        flops, seconds, ceiling = measure_steps([step for _, step in steps], trainer.device, trainer.dtype, repeats)
     finally:
         trainer.close()
+    compiled = {
+        "raytrm": _compiled(trainer, experiment.training.compile),
+        "nanogpt": "torch.compile" if trainer.compiled else "off",
+    }
     model, batch = experiment.model, experiment.training.global_batch_size
-    row = TransformerRow(
-        hidden=model.hidden_size,
-        seq_len=model.seq_len,
-        layers=model.layers,
-        batch=batch,
-        device=trainer.device.type,
-        dtype=str(trainer.dtype).removeprefix("torch."),
-        tokens_per_sec=batch * model.seq_len / seconds,
-        **step_rates(batch, flops, seconds, ceiling),
-    )
-    logger.info("%s", row)
-    return row
+    rows = [
+        TransformerRow(
+            hidden=model.hidden_size,
+            seq_len=model.seq_len,
+            layers=model.layers,
+            batch=batch,
+            device=trainer.device.type,
+            dtype=str(trainer.dtype).removeprefix("torch."),
+            tokens_per_sec=batch * model.seq_len / s,
+            impl=impl,
+            compiled=compiled[impl],
+            **step_rates(batch, f, s, ceiling),
+        )
+        for (impl, _), f, s in zip(steps, flops, seconds, strict=True)
+    ]
+    if len(rows) == 2:
+        rows[0].ratio = rows[0].tokens_per_sec / rows[1].tokens_per_sec
+    for row in rows:
+        logger.info("%s", row)
+    return rows
 
 
 def bench_transformer(
@@ -100,8 +139,14 @@ def bench_transformer(
     work_dir: Path,
     repeats: int = 5,
     dtype: str = "auto",
+    reference: bool = True,
+    compile_mode: str = "off",
 ) -> list[TransformerRow]:
-    """Median step time, tokens/s and FLOP rate of each (hidden, seq_len), with the matmul ceiling alongside."""
+    """Median step time, tokens/s and FLOP rate of each (hidden, seq_len), with the matmul ceiling alongside.
+
+    reference: follow each raytrm row with the nanoGPT-style reference's, timed in alternation with it.
+    compile_mode: raytrm's training.compile (off, on, cudagraphs); where it compiles, the reference is compiled too.
+    """
     corpus = _corpus(work_dir / "corpus.txt")
     rows = []
     with _cache_in(work_dir / "cache"):
@@ -114,24 +159,32 @@ def bench_transformer(
                     "layers": LAYERS,
                     "seq_len": seq_len,
                 }
-                training = {"global_batch_size": batch, "threads": threads, "device": device, "dtype": dtype}
+                training = {
+                    "global_batch_size": batch,
+                    "threads": threads,
+                    "device": device,
+                    "dtype": dtype,
+                    "compile": compile_mode,
+                }
                 data = {"name": "text", "path": str(corpus)}
                 experiment = cfg.from_dict(cfg.ExperimentConfig, {"model": model, "data": data, "training": training})
-                rows.append(_measure(experiment, repeats))
+                rows.extend(_measure_pair(experiment, corpus, reference, repeats))
     return rows
 
 
 def format_rows(rows: list[TransformerRow]) -> str:
     head = (
-        f"{'hidden':>6} {'seq':>5} {'layers':>6} {'batch':>5} {'device':>6} {'dtype':>8} {'step s':>8} "
-        f"{'tokens/s':>10} {'samples/s':>10} {'GFLOP/step':>10} {'GFLOP/s':>8} {'matmul':>8} {'fraction':>8}"
+        f"{'impl':<8} {'hidden':>6} {'seq':>5} {'layers':>6} {'batch':>5} {'device':>6} {'dtype':>8} {'step s':>8} "
+        f"{'tokens/s':>10} {'samples/s':>10} {'GFLOP/step':>10} {'GFLOP/s':>8} {'matmul':>8} {'fraction':>8} "
+        f"{'ratio':>6} compiled"
     )
     lines = [head]
     for r in rows:
+        ratio = f"{r.ratio:>6.2f}" if r.ratio is not None else f"{'':>6}"
         lines.append(
-            f"{r.hidden:>6} {r.seq_len:>5} {r.layers:>6} {r.batch:>5} {r.device:>6} {r.dtype:>8} "
+            f"{r.impl:<8} {r.hidden:>6} {r.seq_len:>5} {r.layers:>6} {r.batch:>5} {r.device:>6} {r.dtype:>8} "
             f"{r.step_seconds:>8.3f} {r.tokens_per_sec:>10.0f} {r.samples_per_sec:>10.2f} {r.gflop_per_step:>10.2f} "
-            f"{r.gflops:>8.1f} {r.matmul_gflops:>8.1f} {r.fraction_of_matmul:>8.2f}"
+            f"{r.gflops:>8.1f} {r.matmul_gflops:>8.1f} {r.fraction_of_matmul:>8.2f} {ratio} {r.compiled}"
         )
     return "\n".join(lines)
 

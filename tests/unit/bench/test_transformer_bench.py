@@ -1,0 +1,85 @@
+"""The transformer bench: its nanoGPT-style reference has nanoGPT's shape and learns, and each raytrm row is followed
+by the reference's, timed in the same run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from raytrm import config as cfg
+from raytrm.bench.nanogpt import NanoGPTTrainer
+from raytrm.bench.transformer import _corpus, as_json, bench_transformer, format_rows
+from raytrm.cli import main
+
+HIDDEN, LAYERS, HEADS, SEQ, BATCH = 64, 2, 2, 32, 4
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return _corpus(tmp_path_factory.mktemp("text") / "corpus.txt")
+
+
+def _reference(corpus, lr: float = 1e-4) -> NanoGPTTrainer:
+    experiment = cfg.from_dict(
+        cfg.ExperimentConfig,
+        {
+            "model": {
+                "name": "transformer",
+                "hidden_size": HIDDEN,
+                "num_heads": HEADS,
+                "layers": LAYERS,
+                "seq_len": SEQ,
+            },
+            "data": {"name": "text", "path": str(corpus)},
+            "training": {"global_batch_size": BATCH, "lr": lr, "weight_decay": 0.1, "threads": 1, "device": "cpu"},
+        },
+    )
+    return NanoGPTTrainer(experiment, corpus, torch.device("cpu"), torch.float32)
+
+
+def test_reference_has_nanogpts_parameter_count(corpus):
+    # Token and position tables, per block two LayerNorm weights, qkv (3D^2), output (D^2) and MLP (8D^2), a final
+    # LayerNorm; the head is the token table.
+    D = HIDDEN
+    expected = 256 * D + SEQ * D + LAYERS * (12 * D * D + 2 * D) + D
+    assert _reference(corpus).model.num_parameters() == expected
+
+
+def test_reference_loss_at_init_is_uniform_over_bytes(corpus):
+    ref = _reference(corpus)
+    assert float(ref.loss(ref.get_batch())) == pytest.approx(math.log(256), abs=0.3)
+
+
+def test_reference_steps_lower_the_loss_of_a_batch(corpus):
+    ref = _reference(corpus, lr=3e-3)
+    batch = ref.get_batch()
+    assert batch[0].shape == batch[1].shape == (BATCH, SEQ)
+    assert torch.equal(batch[0][:, 1:], batch[1][:, :-1])  # labels are the next bytes
+    before = float(ref.loss(batch))
+    for _ in range(5):
+        ref.train_step(batch)
+    assert float(ref.loss(batch)) < before - 0.1
+
+
+def test_bench_alternates_raytrm_and_reference_rows(tmp_path):
+    rows = bench_transformer([SEQ], [HIDDEN], BATCH, threads=1, device="cpu", work_dir=tmp_path, repeats=1)
+    assert [r.impl for r in rows] == ["raytrm", "nanogpt"]
+    raytrm, nanogpt = rows
+    assert raytrm.ratio == pytest.approx(raytrm.tokens_per_sec / nanogpt.tokens_per_sec)
+    assert nanogpt.ratio is None
+    assert (raytrm.hidden, raytrm.seq_len, raytrm.batch) == (nanogpt.hidden, nanogpt.seq_len, nanogpt.batch)
+    assert all(r.gflop_per_step > 0 and r.fraction_of_matmul > 0 and r.compiled == "off" for r in rows)
+    assert "nanogpt" in format_rows(rows) and as_json(rows)[1]["impl"] == "nanogpt"
+
+
+def test_cli_no_reference_times_raytrm_alone(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    argv = ["bench", "transformer", "--hidden", str(HIDDEN), "--seq-lens", str(SEQ), "--batch", str(BATCH)]
+    argv += ["--repeats", "1", "--threads", "1", "--device", "cpu", "--no-reference", "--json", str(out)]
+    assert main(argv) == 0
+    assert "raytrm" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["results"]
+    assert [r["impl"] for r in rows] == ["raytrm"] and rows[0]["ratio"] is None
