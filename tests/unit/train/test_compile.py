@@ -26,6 +26,33 @@ def test_mps_compiles_only_where_torch_has_a_metal_backend_and_never_with_cuda_g
     assert graphs.mode is None and "MPS has none" in graphs.reason
 
 
+@pytest.mark.parametrize(
+    ("torch_version", "asked", "compiled", "logged"),
+    [
+        ("2.5.1", "auto", False, "mps: torch 2.5.1 has no inductor backend for MPS (2.8 or later has); eager"),
+        ("2.13.0", "auto", True, "mps: inductor's Metal backend"),
+        ("2.13.0", "cudagraphs", True, "mps: inductor's Metal backend (CUDA graphs asked for: MPS has none)"),
+    ],
+)
+def test_on_mps_the_regions_compile_per_the_plan_without_cuda_graphs_and_the_choice_is_logged(
+    caplog, torch_version, asked, compiled, logged
+):
+    model, kwargs_seen = Doubler(), []
+
+    def compiler(fn, **kwargs):
+        kwargs_seen.append(kwargs)
+        return fn
+
+    forward = model.forward
+    with caplog.at_level(logging.INFO, logger="raytrm.train.compile"):
+        names = compile_regions(model, plan_compile(asked, "mps", torch_version), compiler=compiler)
+    assert f"compile plan: {logged}" in caplog.text
+    assert names == (["twice"] if compiled else [])
+    assert kwargs_seen == ([{"backend": "inductor"}] if compiled else [])  # no mode: no CUDA graphs
+    assert model.forward == forward  # no CUDA-graph step marks on MPS
+    assert model.twice(torch.ones(2)).tolist() == [2.0, 2.0]
+
+
 def test_a_cpu_stays_eager_unless_asked_and_needs_a_cxx_compiler():
     assert not plan_compile("auto", "cpu", "2.13.0", cxx=lambda: True).enabled
     assert plan_compile("on", "cpu", "2.13.0", cxx=lambda: True).backend == "inductor"
