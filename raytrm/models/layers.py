@@ -39,8 +39,51 @@ def trunc_normal_(tensor: torch.Tensor, std: float = 1.0, lower: float = -2.0, u
         return tensor.clamp_(lower * scale, upper * scale)
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half-precision tensors, the tensor's own dtype for fp32 and fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _rms_scale(h: torch.Tensor, eps: float, dim: int) -> torch.Tensor:
+    """1 / sqrt(mean(h^2) + eps) along dim, accumulated in fp32 (or fp64) in one pass over h."""
+    norm = torch.linalg.vector_norm(h, dim=dim, keepdim=True, dtype=_accumulation_dtype(h.dtype))
+    return norm.square_().div_(h.shape[dim]).add_(eps).rsqrt_()
+
+
+def _rms_norm_backward(g: torch.Tensor, y: torch.Tensor, r: torch.Tensor, dim: int) -> torch.Tensor:
+    """The gradient of y = h * r(h) with respect to h: r * (g - y * mean(g * y)), three passes over y."""
+    m = (g * y).mean(dim, keepdim=True)
+    return torch.addcmul(g, y, m, value=-1).mul_(r)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """rms_norm(x) with a hand-written backward, in two passes forward.
+
+    fp32 and fp64 keep the output y and the scale r (the projection that reads y keeps it anyway). Half precision
+    rounds once, from the fp32 product to x's dtype, as the plain formula does, and keeps x, from which backward
+    recomputes the fp32 y: the gradient is the plain formula's, and no fp32 copy of the activation is kept.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float, dim: int) -> torch.Tensor:
+        r = _rms_scale(x, eps, dim)
+        y = torch.mul(x, r, out=torch.empty_like(x))
+        ctx.half = r.dtype != x.dtype
+        ctx.save_for_backward(x if ctx.half else y, r)
+        ctx.dim = dim
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved, r = ctx.saved_tensors
+        y = saved * r if ctx.half else saved
+        return cast(_rms_norm_backward(g, y, r, ctx.dim), g.dtype), None, None
+
+
 def rms_norm(x: torch.Tensor, eps: float, dim: int = -1) -> torch.Tensor:
-    """RMSNorm without a learned scale, computed in fp32 and returned in x's dtype."""
+    """RMSNorm without a learned scale, computed in fp32 and returned in x's dtype (plain under torch.compile)."""
+    if not torch.compiler.is_compiling():
+        return _RMSNorm.apply(x, eps, dim)
     h = cast(x, torch.float32)
     h = h * torch.rsqrt(h.square().mean(dim, keepdim=True) + eps)
     return cast(h, x.dtype)
@@ -59,7 +102,7 @@ class _AddRMSNorm(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, f: torch.Tensor, eps: float, dim: int) -> torch.Tensor:
         h = x + f
         # The norm needs no squared copy of h; then h is ours to scale in place.
-        r = torch.linalg.vector_norm(h, dim=dim, keepdim=True).square_().div_(h.shape[dim]).add_(eps).rsqrt_()
+        r = _rms_scale(h, eps, dim)
         y = h.mul_(r)
         ctx.save_for_backward(y, r)
         ctx.dim = dim
@@ -68,8 +111,7 @@ class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         y, r = ctx.saved_tensors
-        m = (g * y).mean(ctx.dim, keepdim=True)
-        grad = torch.addcmul(g, y, m, value=-1).mul_(r)
+        grad = _rms_norm_backward(g, y, r, ctx.dim)
         return grad, grad, None, None
 
 
@@ -81,7 +123,7 @@ def add_rms_norm(x: torch.Tensor, f: torch.Tensor, eps: float, dim: int = -1) ->
     """
     if x.dtype == f.dtype and x.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
         return _AddRMSNorm.apply(x, f, eps, dim)
-    # Half-precision states keep autograd's formula, which saves the fp32 sum for an exact backward.
+    # Half-precision states add in their dtype, as the reference does, then normalise in fp32.
     return rms_norm(x + f, eps, dim)
 
 
@@ -216,7 +258,8 @@ class _Rotary(torch.autograd.Function):
 
     With c and s the tables' halves, the rotation is (x1 c - x2 s, x2 c + x1 s): two fused multiply-adds per half,
     written into one output, where the textbook x cos + rotate_half(x) sin negates, concatenates and multiplies
-    whole copies (and autograd undoes each of those in backward).
+    whole copies (and autograd undoes each of those in backward). Half-precision x rotates with fp32 tables into
+    an fp32 half-width buffer and is rounded once, as the textbook formula computed in fp32 is.
     """
 
     @staticmethod
@@ -224,8 +267,13 @@ class _Rotary(torch.autograd.Function):
         x1, x2 = x.chunk(2, dim=-1)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         out1, out2 = out.chunk(2, dim=-1)
-        torch.mul(x1, c, out=out1).addcmul_(x2, s, value=-1)
-        torch.mul(x2, c, out=out2).addcmul_(x1, s)
+        if c.dtype == x.dtype:
+            torch.mul(x1, c, out=out1).addcmul_(x2, s, value=-1)
+            torch.mul(x2, c, out=out2).addcmul_(x1, s)
+            return out
+        acc = torch.mul(x1, c)  # the fp32 product of a half-precision x and fp32 tables
+        out1.copy_(acc.addcmul_(x2, s, value=-1))
+        out2.copy_(torch.mul(x2, c, out=acc).addcmul_(x1, s))
         return out
 
     @staticmethod
@@ -243,11 +291,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate x [..., head_dim] by position; cos and sin broadcast against x. In fp32, returned in x's dtype.
 
     The tables are in the rotate-half layout of RotaryEmbedding (both halves of the last dimension equal).
+    Half-precision inputs rotate in fp32, as the reference does.
     """
-    if x.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
-        half = x.shape[-1] // 2
-        return _Rotary.apply(x, cast(cos[..., :half], x.dtype), cast(sin[..., :half], x.dtype))
-    # Half-precision inputs rotate in fp32, as the reference does; under torch.compile inductor fuses this.
+    half = x.shape[-1] // 2
+    if not torch.compiler.is_compiling():
+        acc = _accumulation_dtype(x.dtype)
+        return _Rotary.apply(x, cast(cos[..., :half], acc), cast(sin[..., :half], acc))
+    # Under torch.compile the textbook formula, which inductor fuses into one kernel.
     h = cast(x, torch.float32)
     h1, h2 = h.chunk(2, dim=-1)
     return cast(h * cos + torch.cat((-h2, h1), dim=-1) * sin, x.dtype)

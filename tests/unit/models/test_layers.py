@@ -15,6 +15,7 @@ from raytrm.models.layers import (
     SparseEmbedding,
     SwiGLU,
     _AddRMSNorm,
+    _RMSNorm,
     add_rms_norm,
     apply_rotary,
     rms_norm,
@@ -180,3 +181,38 @@ def test_fused_rotary_equals_rotate_half_and_passes_gradcheck():
     # A strided input (q and k are slices of the fused projection) rotates the same as a contiguous copy.
     wide = torch.randn(5, 3, 16, dtype=torch.float64)
     torch.testing.assert_close(apply_rotary(wide[..., 4:12], cos, sin), apply_rotary(wide[..., 4:12].clone(), cos, sin))
+
+
+def _plain_rms_norm(x, eps, dim):
+    h = x.float()
+    return (h * torch.rsqrt(h.square().mean(dim, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_rms_norm_equals_the_plain_formula_with_its_gradient(dim):
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(rms_norm(x, 1e-5, dim), _plain_rms_norm(x, 1e-5, dim))
+    assert torch.autograd.gradcheck(lambda t: _RMSNorm.apply(t, 1e-5, dim), (x,))
+    # Half precision: the output is the fp32 formula's rounded once, the gradient the plain formula's.
+    xb = torch.randn(64, 48).bfloat16().requires_grad_()
+    g = torch.randn(64, 48).bfloat16()
+    ours, plain = rms_norm(xb, 1e-5, dim), _plain_rms_norm(xb, 1e-5, dim)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, plain)
+    (grad,) = torch.autograd.grad(ours, xb, g)
+    (expected,) = torch.autograd.grad(plain, xb, g)
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(grad, expected)
+
+
+def test_half_precision_rotary_is_the_fp32_formula_rounded_once_with_its_gradient():
+    cos, sin = (t[:, None] for t in RotaryEmbedding(16, 7, 10000.0)())
+    x = torch.randn(7, 3, 16).bfloat16().requires_grad_()
+    g = torch.randn(7, 3, 16).bfloat16()
+    h = x.float()
+    h1, h2 = h.chunk(2, dim=-1)
+    plain = (h * cos + torch.cat((-h2, h1), dim=-1) * sin).bfloat16()
+    ours = apply_rotary(x, cos, sin)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, plain)
+    (grad,) = torch.autograd.grad(ours, x, g)
+    (expected,) = torch.autograd.grad(plain, x, g)
+    torch.testing.assert_close(grad, expected)
