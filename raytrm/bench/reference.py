@@ -228,8 +228,10 @@ class ReferenceTrainer:
             with device:
                 self.model = classes.loss_head(classes.model(arch), loss_type=classes.loss_type)
         self.model.train()
-        #: The module pretrain.py calls: the loss head compiled whole, as its users run it (unless DISABLE_COMPILE).
-        self.step_model = torch.compile(self.model) if compile_model else self.model
+        if compile_model:
+            # The loss head compiled whole, as pretrain.py runs it (unless DISABLE_COMPILE); in place, so the FLOP
+            # counter's module hooks see one module, not a wrapper and the module inside it.
+            self.model.compile()
         # torch.compile traces on the first step, and its guards check the reference's modules on every step: they
         # stay importable, the same module objects, until close().
         self._imports = contextlib.ExitStack()
@@ -271,7 +273,7 @@ class ReferenceTrainer:
         if self.carry is None:
             with self.device:
                 self.carry = self.model.initial_carry(batch)
-        self.carry, loss, metrics, _, _ = self.step_model(carry=self.carry, batch=batch, return_keys=[])
+        self.carry, loss, metrics, _, _ = self.model(carry=self.carry, batch=batch, return_keys=[])
         ((1 / self.batch_size) * loss).backward()
         for optimizer in self.optimizers:
             optimizer.step()

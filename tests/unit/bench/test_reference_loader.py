@@ -6,9 +6,11 @@ top-level `models` package); its classes are tiny stand-ins written for this tes
 
 from __future__ import annotations
 
+import functools
 import sys
 import textwrap
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 
 from raytrm.bench import reference
 from raytrm.bench.reference import ReferenceTrainer, load_reference_classes
+from raytrm.bench.timing import count_flops
 from raytrm.bench.trm import reference_experiment
 from raytrm.data.build import build_dataset
 from raytrm.errors import UserError
@@ -178,6 +181,33 @@ def test_trainer_drives_the_reference_step(tmp_path: Path) -> None:
     assert (sparse.steps, sparse.world_size, sparse.buffers) == (2, 1, [inner.puzzle_emb.weights])
     assert isinstance(adamw, torch.optim.AdamW)
     assert trainer.ema is not None and trainer.ema.updates == 2
+
+
+def test_the_reference_compiles_as_pretrain_does_and_its_flops_are_counted_once_eagerly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiled = []
+
+    def backend(graph, example_inputs):
+        compiled.append(graph)
+        return graph.forward
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
+    data_dir = build_dataset("sudoku", tmp_path / "sudoku", count=4, test_count=1)
+    experiment = reference_experiment("mlp_t", 8, 4, None, "cpu", data_dir, "auto")
+    trainer = ReferenceTrainer(
+        fake_checkout(tmp_path / "ref"), experiment, data_dir, torch.device("cpu"), torch.float32, compile_model=True
+    )
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            count_flops(trainer.train_step)
+        assert compiled == []  # the FLOP counter ran the step eagerly
+        assert not [w for w in caught if "hooks" in str(w.message)]  # compiled in place: no wrapper's hooks too
+        assert trainer.train_step() == {"count": 4.0} and len(compiled) == 1
+        assert torch.equal(trainer.carry, torch.full((4,), 2.0))
+    finally:
+        trainer.close()
 
 
 def test_einops_stand_in_permutes_axes() -> None:
