@@ -45,9 +45,18 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _rms_scale(h: torch.Tensor, eps: float, dim: int) -> torch.Tensor:
-    """1 / sqrt(mean(h^2) + eps) along dim, accumulated in fp32 (or fp64) in one pass over h."""
-    norm = torch.linalg.vector_norm(h, dim=dim, keepdim=True, dtype=_accumulation_dtype(h.dtype))
-    return norm.square_().div_(h.shape[dim]).add_(eps).rsqrt_()
+    """1 / sqrt(mean(h^2) + eps) along dim, accumulated in fp32 (or fp64), in one pass over h where it can be.
+
+    On a CPU, vector_norm across the outer dimension of a matrix (TRM-MLP's norm over positions) runs 6 to 26 times
+    slower than squaring and summing, so that reduction squares first; along the last dimension vector_norm's one
+    pass is the faster.
+    """
+    acc = _accumulation_dtype(h.dtype)
+    if h.device.type == "cpu" and dim % h.dim() != h.dim() - 1:
+        squares = cast(h, acc).square().sum(dim, keepdim=True)
+    else:
+        squares = torch.linalg.vector_norm(h, dim=dim, keepdim=True, dtype=acc).square_()
+    return squares.div_(h.shape[dim]).add_(eps).rsqrt_()
 
 
 def _rms_norm_backward(g: torch.Tensor, y: torch.Tensor, r: torch.Tensor, dim: int) -> torch.Tensor:
