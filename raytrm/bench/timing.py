@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -58,6 +59,23 @@ def measure_steps(
             times.append(median_seconds(step, device, warmup=0, repeats=1))
         rates.append(matmul_flops_per_sec(device, n=size, dtype=dtype, repeats=3))
     return flops, [statistics.median(times) for times in samples], statistics.median(rates)
+
+
+def measure_side_by_side(
+    steps: list[Callable[[], object]], device: torch.device, dtype: torch.dtype, repeats: int, batch: int
+) -> list[dict[str, Any]]:
+    """The rate fields of each step (step_rates), timed in alternation with the matmul ceiling (measure_steps).
+
+    With two steps, the first is measured beside the second (a reference): its `ratio` is its samples/s over the
+    second's, which is also the ratio of tokens/s at one sequence length; None on every other row.
+    """
+    flops, seconds, ceiling = measure_steps(steps, device, dtype, repeats)
+    rates: list[dict[str, Any]] = [
+        {**step_rates(batch, f, s, ceiling), "ratio": None} for f, s in zip(flops, seconds, strict=True)
+    ]
+    if len(rates) == 2:
+        rates[0]["ratio"] = seconds[1] / seconds[0]
+    return rates
 
 
 def step_rates(batch: int, flops: float, seconds: float, ceiling: float) -> dict[str, float]:

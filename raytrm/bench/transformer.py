@@ -25,7 +25,7 @@ import numpy as np
 
 from raytrm import config as cfg
 from raytrm.bench.nanogpt import NanoGPTTrainer
-from raytrm.bench.timing import measure_steps, step_rates
+from raytrm.bench.timing import measure_side_by_side
 from raytrm.constants import CACHE_DIR_ENV
 from raytrm.train.trainer import Trainer
 
@@ -99,15 +99,15 @@ def _measure_pair(
         # Compiled exactly where raytrm's compile plan compiles (not on a CPU without a C++ compiler, say).
         ref = NanoGPTTrainer(experiment, corpus, trainer.device, trainer.dtype, compile_model=bool(trainer.compiled))
         steps.append(("nanogpt", ref.train_step))
+    model, batch = experiment.model, experiment.training.global_batch_size
     try:
-        flops, seconds, ceiling = measure_steps([step for _, step in steps], trainer.device, trainer.dtype, repeats)
+        rates = measure_side_by_side([step for _, step in steps], trainer.device, trainer.dtype, repeats, batch)
     finally:
         trainer.close()
     compiled = {
         "raytrm": _compiled(trainer, experiment.training.compile),
         "nanogpt": "torch.compile" if trainer.compiled else "off",
     }
-    model, batch = experiment.model, experiment.training.global_batch_size
     rows = [
         TransformerRow(
             hidden=model.hidden_size,
@@ -116,15 +116,13 @@ def _measure_pair(
             batch=batch,
             device=trainer.device.type,
             dtype=str(trainer.dtype).removeprefix("torch."),
-            tokens_per_sec=batch * model.seq_len / s,
+            tokens_per_sec=model.seq_len * r["samples_per_sec"],
             impl=impl,
             compiled=compiled[impl],
-            **step_rates(batch, f, s, ceiling),
+            **r,
         )
-        for (impl, _), f, s in zip(steps, flops, seconds, strict=True)
+        for (impl, _), r in zip(steps, rates, strict=True)
     ]
-    if len(rows) == 2:
-        rows[0].ratio = rows[0].tokens_per_sec / rows[1].tokens_per_sec
     for row in rows:
         logger.info("%s", row)
     return rows

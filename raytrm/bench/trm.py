@@ -20,7 +20,7 @@ from pathlib import Path
 
 from raytrm import config as cfg
 from raytrm.bench.reference import ReferenceTrainer, load_reference_classes
-from raytrm.bench.timing import measure_steps, step_rates
+from raytrm.bench.timing import measure_side_by_side
 from raytrm.data.build import build_dataset
 from raytrm.train.trainer import Trainer
 
@@ -92,13 +92,13 @@ def _measure_pair(
             reference, experiment, data_dir, trainer.device, trainer.dtype, compile_model=compiled != "off"
         )
         steps.append(("reference", ref.train_step))
+    batch, model = experiment.training.global_batch_size, experiment.model
     try:
-        flops, seconds, ceiling = measure_steps([step for _, step in steps], trainer.device, trainer.dtype, repeats)
+        rates = measure_side_by_side([step for _, step in steps], trainer.device, trainer.dtype, repeats, batch)
     finally:
         trainer.close()
         if ref is not None:
             ref.close()
-    batch, model = experiment.training.global_batch_size, experiment.model
     rows = [
         TrmRow(
             variant=model.variant,
@@ -108,12 +108,10 @@ def _measure_pair(
             dtype=str(trainer.dtype).removeprefix("torch."),
             impl=impl,
             compiled=(compiled if impl == "raytrm" else "torch.compile") if compiled != "off" else "off",
-            **step_rates(batch, f, s, ceiling),
+            **r,
         )
-        for (impl, _), f, s in zip(steps, flops, seconds, strict=True)
+        for (impl, _), r in zip(steps, rates, strict=True)
     ]
-    if len(rows) == 2:
-        rows[0].ratio = rows[0].samples_per_sec / rows[1].samples_per_sec
     for row in rows:
         logger.info("%s", row)
     return rows

@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from raytrm.bench.timing import count_flops
+from raytrm.bench.timing import count_flops, measure_side_by_side
 
 
 def test_flops_of_a_compiled_call_are_counted_eagerly_without_tracing_a_graph():
@@ -16,3 +17,13 @@ def test_flops_of_a_compiled_call_are_counted_eagerly_without_tracing_a_graph():
     assert traced == []  # no graph was compiled for the counter
     product()
     assert len(traced) == 1  # outside the counter the call compiles as usual
+
+
+def test_side_by_side_rows_carry_the_first_steps_ratio_to_the_second():
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    first, second = measure_side_by_side([lambda: a @ b, lambda: (a @ b) @ b], torch.device("cpu"), torch.float32, 1, 8)
+    assert first["gflop_per_step"] * 2 == second["gflop_per_step"] == 2 * 2 * 64**3 / 1e9
+    assert first["ratio"] == pytest.approx(first["samples_per_sec"] / second["samples_per_sec"])
+    assert second["ratio"] is None
+    alone = measure_side_by_side([lambda: a @ b], torch.device("cpu"), torch.float32, 1, 8)
+    assert [r["ratio"] for r in alone] == [None]
