@@ -78,6 +78,13 @@ def measure_side_by_side(
     return rates
 
 
+def compiled_as_run(trainer: Any, mode: str) -> str:
+    """How a Trainer's step ran: the training.compile mode asked for, or "off" where its plan stayed eager or a
+    region's compilation failed (and it fell back to eager)."""
+    failed = any(getattr(getattr(trainer.model, name), "failed", None) for name in trainer.compiled)
+    return mode if trainer.compiled and not failed else "off"
+
+
 def step_rates(batch: int, flops: float, seconds: float, ceiling: float) -> dict[str, float]:
     """The rate fields every bench row shares, from one step's FLOPs and median seconds and the matmul ceiling."""
     return {

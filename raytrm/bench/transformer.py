@@ -25,7 +25,7 @@ import numpy as np
 
 from raytrm import config as cfg
 from raytrm.bench.nanogpt import NanoGPTTrainer
-from raytrm.bench.timing import measure_side_by_side
+from raytrm.bench.timing import compiled_as_run, measure_side_by_side
 from raytrm.constants import CACHE_DIR_ENV
 from raytrm.train.trainer import Trainer
 
@@ -83,12 +83,6 @@ def _cache_in(directory: Path) -> Iterator[None]:
             os.environ[CACHE_DIR_ENV] = old
 
 
-def _compiled(trainer: Trainer, mode: str) -> str:
-    """raytrm's compile as it ran: the mode asked for, or "off" where the plan stayed eager or compiling failed."""
-    failed = any(getattr(getattr(trainer.model, name), "failed", None) for name in trainer.compiled)
-    return mode if trainer.compiled and not failed else "off"
-
-
 def _measure_pair(
     experiment: cfg.ExperimentConfig, corpus: Path, reference: bool, repeats: int
 ) -> list[TransformerRow]:
@@ -105,7 +99,7 @@ def _measure_pair(
     finally:
         trainer.close()
     compiled = {
-        "raytrm": _compiled(trainer, experiment.training.compile),
+        "raytrm": compiled_as_run(trainer, experiment.training.compile),
         "nanogpt": "torch.compile" if trainer.compiled else "off",
     }
     rows = [

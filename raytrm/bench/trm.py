@@ -20,7 +20,7 @@ from pathlib import Path
 
 from raytrm import config as cfg
 from raytrm.bench.reference import ReferenceTrainer, load_reference_classes
-from raytrm.bench.timing import measure_side_by_side
+from raytrm.bench.timing import compiled_as_run, measure_side_by_side
 from raytrm.data.build import build_dataset
 from raytrm.train.trainer import Trainer
 
@@ -85,11 +85,11 @@ def _measure_pair(
     """raytrm's row at one config, and the reference's beside it when a checkout is given."""
     trainer = Trainer(experiment)
     steps: list[tuple[str, Callable[[], object]]] = [("raytrm", trainer.train_step)]
-    compiled = experiment.training.compile
     ref = None
     if reference is not None:
+        # Compiled exactly where raytrm's compile plan compiles (not on a CPU without a C++ compiler, say).
         ref = ReferenceTrainer(
-            reference, experiment, data_dir, trainer.device, trainer.dtype, compile_model=compiled != "off"
+            reference, experiment, data_dir, trainer.device, trainer.dtype, compile_model=bool(trainer.compiled)
         )
         steps.append(("reference", ref.train_step))
     batch, model = experiment.training.global_batch_size, experiment.model
@@ -99,6 +99,10 @@ def _measure_pair(
         trainer.close()
         if ref is not None:
             ref.close()
+    compiled = {
+        "raytrm": compiled_as_run(trainer, experiment.training.compile),
+        "reference": "torch.compile" if trainer.compiled else "off",
+    }
     rows = [
         TrmRow(
             variant=model.variant,
@@ -107,7 +111,7 @@ def _measure_pair(
             device=trainer.device.type,
             dtype=str(trainer.dtype).removeprefix("torch."),
             impl=impl,
-            compiled=(compiled if impl == "raytrm" else "torch.compile") if compiled != "off" else "off",
+            compiled=compiled[impl],
             **r,
         )
         for (impl, _), r in zip(steps, rates, strict=True)

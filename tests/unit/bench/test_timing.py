@@ -1,7 +1,9 @@
+import types
+
 import pytest
 import torch
 
-from raytrm.bench.timing import count_flops, measure_side_by_side
+from raytrm.bench.timing import compiled_as_run, count_flops, measure_side_by_side
 
 
 def test_flops_of_a_compiled_call_are_counted_eagerly_without_tracing_a_graph():
@@ -27,3 +29,13 @@ def test_side_by_side_rows_carry_the_first_steps_ratio_to_the_second():
     assert second["ratio"] is None
     alone = measure_side_by_side([lambda: a @ b], torch.device("cpu"), torch.float32, 1, 8)
     assert [r["ratio"] for r in alone] == [None]
+
+
+def test_a_bench_row_says_compiled_only_where_every_region_ran_compiled():
+    def trainer(compiled, failed=None):
+        region = types.SimpleNamespace(failed=failed)
+        return types.SimpleNamespace(model=types.SimpleNamespace(_round=region), compiled=compiled)
+
+    assert compiled_as_run(trainer(["_round"]), "cudagraphs") == "cudagraphs"
+    assert compiled_as_run(trainer(["_round"], failed="BackendCompilerFailed: ..."), "on") == "off"
+    assert compiled_as_run(trainer([]), "on") == "off"  # the plan stayed eager (a CPU without a C++ compiler)
