@@ -66,7 +66,7 @@ def _rms_norm_backward(g: torch.Tensor, y: torch.Tensor, r: torch.Tensor, dim: i
 
 
 class _RMSNorm(torch.autograd.Function):
-    """rms_norm(x) with a hand-written backward, in two passes forward.
+    """rms_norm(x) with a hand-written backward: the norm, then one multiply, forward.
 
     fp32 and fp64 keep the output y and the scale r (the projection that reads y keeps it anyway). Half precision
     rounds once, from the fp32 product to x's dtype, as the plain formula does, and keeps x, from which backward
