@@ -309,6 +309,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         print(distributed.format_rows(dist_rows))
         results = distributed.as_json(dist_rows)
+    elif args.what == "mix":
+        from raytrm.bench import mix
+
+        mix_rows = [
+            row for width in hidden for row in mix.bench_mix(args.batch, width, args.device, args.dtype, args.repeats)
+        ]
+        print(mix.format_rows(mix_rows))
+        results = mix.as_json(mix_rows)
     elif args.what == "transformer":
         from raytrm.bench import transformer
 
@@ -480,12 +488,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure training throughput against this machine's matmul ceiling")
     p.add_argument(
         "what",
-        choices=("trm", "transformer", "memory", "tune", "distributed"),
+        choices=("trm", "transformer", "mix", "memory", "tune", "distributed"),
         help="trm: TRM training samples/s and fraction of the matmul rate; transformer: byte-level LM training "
         "tokens/s and fraction of the matmul rate, beside a nanoGPT-style reference of the same shape; memory: the "
         "memory model's prediction error and the cost of per-step monitoring; distributed: unequal workers with "
         "balanced and equal shares against their solo sum, Ray Train's per-step cost, gradient sync per link, scaling "
-        "over GPUs",
+        "over GPUs; mix: one call of TRM-MLP's position mixing (SwiGLU, residual, norm) each way this device runs it",
     )
     p.add_argument(
         "--seq-lens", nargs="+", type=int, default=[128, 256, 512], help="transformer: sequence lengths to time"

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from raytrm.config import ModelConfig
+from raytrm.models import kernels
 from raytrm.models.layers import (
     Attention,
     Embedding,
@@ -119,6 +120,7 @@ class Block(nn.Module):
         self.mlp_t: SwiGLU | None = None
         if config.variant == "mlp_t":
             self.mlp_t = SwiGLU(positions, config.expansion)
+            kernels.register()
         else:
             self.attn = Attention(config.hidden_size, config.num_heads, causal=False, seq_first=True)
         self.mlp = SwiGLU(config.hidden_size, config.expansion)
@@ -128,7 +130,15 @@ class Block(nn.Module):
         if self.mlp_t is not None:
             # The reference mixes and normalises the transposed [B, D, L] tensor, so this norm is over positions.
             cols = x.view(L, B * D)
-            x = add_rms_norm(cols, self.mlp_t.forward_columns(cols), self.eps, dim=0).view(L, B, D)
+            if kernels.fused_mix_available(cols):
+                # The no-grad rounds on CUDA: mixing, residual and norm in one kernel.
+                w_gate_up = cast(self.mlp_t.gate_up_proj.weight, x.dtype)
+                mixed = kernels.mix_positions_norm(
+                    cols, w_gate_up, cast(self.mlp_t.down_proj.weight, x.dtype), self.eps
+                )
+            else:
+                mixed = add_rms_norm(cols, self.mlp_t.forward_columns(cols), self.eps, dim=0)
+            x = mixed.view(L, B, D)
         else:
             assert self.attn is not None
             x = add_rms_norm(x, self.attn(x, rope), self.eps)

@@ -1,0 +1,86 @@
+"""Triton kernels (imported only where Triton is installed); see raytrm.models.kernels for what they compute.
+
+Under Triton's CPU interpreter (INTERPRETED), products take fp32 operands (its bf16 products are wrong) and the
+rounding to bf16 is done on the bits (it truncates); on a GPU both are the hardware's.
+"""
+
+import triton
+import triton.language as tl
+
+from raytrm.models.kernels import interpreted
+
+
+@triton.jit
+def _rounded(v, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """v (fp32) rounded to dtype, to nearest even, and back to fp32."""
+    if INTERPRETED:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _operand(v, INTERPRETED: tl.constexpr):
+    """v as an operand of tl.dot."""
+    if INTERPRETED:
+        return v.to(tl.float32)
+    else:
+        return v
+
+
+# The five fastest of 99 tiles measured on an H200 at Sudoku's shape (97 positions, 393,216 columns, inner 512):
+# 0.51 to 0.59 ms, against 0.64 to 7 ms for the rest.
+_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_I": i}, num_warps=w, num_stages=s)
+    for n, i, w, s in ((128, 64, 8, 4), (64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 8, 3))
+]
+
+
+@triton.autotune(configs=_CONFIGS[1:2] if interpreted() else _CONFIGS, key=["N", "L", "I"])
+@triton.jit
+def mix_positions_norm_kernel(
+    x_ptr,
+    w_gate_up_t_ptr,
+    w_down_t_ptr,
+    y_ptr,
+    N,
+    L,
+    I,  # noqa: E741 (the SwiGLU's inner width)
+    eps,
+    BLOCK_L: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """y = rms_norm(x + w_down @ (silu(gate) * up), over rows), [gate; up] = w_gate_up @ x, for a block of columns.
+
+    x and y are [L, N]; the weights come transposed and zero-padded to BLOCK_L positions: w_gate_up_t [BLOCK_L, 2I]
+    and w_down_t [I, BLOCK_L]. A block of columns is the rows of the products ([BLOCK_N, BLOCK_L] @
+    [BLOCK_L, BLOCK_I], then [BLOCK_N, BLOCK_I] @ [BLOCK_I, BLOCK_L]), the long side the tensor cores want.
+    """
+    dtype = y_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_L)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (cols < N)[:, None] & (rows < L)[None, :]
+    x = tl.load(x_ptr + rows[None, :] * N + cols[:, None], mask=mask, other=0.0)  # [BLOCK_N, BLOCK_L]
+    x_operand = _operand(x, INTERPRETED)
+    acc = tl.zeros((BLOCK_N, BLOCK_L), dtype=tl.float32)
+    inner = tl.arange(0, BLOCK_I)
+    for start in range(0, I, BLOCK_I):
+        k = start + inner
+        w_gate = tl.load(w_gate_up_t_ptr + rows[:, None] * (2 * I) + k[None, :])  # [BLOCK_L, BLOCK_I]
+        w_up = tl.load(w_gate_up_t_ptr + rows[:, None] * (2 * I) + (k + I)[None, :])
+        w_down = tl.load(w_down_t_ptr + k[:, None] * BLOCK_L + rows[None, :])  # [BLOCK_I, BLOCK_L]
+        # Rounded where the plain formula rounds: the projection, silu(gate), and their product.
+        gate = _rounded(tl.dot(x_operand, _operand(w_gate, INTERPRETED)), dtype, INTERPRETED)
+        up = _rounded(tl.dot(x_operand, _operand(w_up, INTERPRETED)), dtype, INTERPRETED)
+        silu = _rounded(gate * tl.sigmoid(gate), dtype, INTERPRETED)
+        h = _rounded(silu * up, dtype, INTERPRETED).to(dtype)
+        acc = tl.dot(_operand(h, INTERPRETED), _operand(w_down, INTERPRETED), acc)
+    # The residual adds in the states' dtype; the norm over positions accumulates in fp32.
+    s = _rounded(x.to(tl.float32) + _rounded(acc, dtype, INTERPRETED), dtype, INTERPRETED)
+    r = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / L + eps)
+    y = _rounded(s * r[:, None], dtype, INTERPRETED).to(dtype)
+    tl.store(y_ptr + rows[None, :] * N + cols[:, None], y, mask=mask)

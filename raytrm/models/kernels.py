@@ -1,0 +1,106 @@
+"""A Triton kernel for CUDA: TRM-MLP's position mixing fused with the residual norm that follows it.
+
+TRM-MLP mixes the positions of every (batch row, feature) column with a SwiGLU, adds the column back and normalises
+it over positions. Done as separate operations, the gate/up projection writes a [2 * inner, columns] tensor, 8 times
+the size of the states, which the gate then reads back: on an H200 those bytes, not the products, bound the step.
+One program here takes a block of columns through the whole map in registers and on-chip memory, so it reads the
+states once and writes the result once.
+
+It is the forward of the no-grad rounds (most of a TRM step), on CUDA in half precision when Triton is installed;
+everything else takes the plain formulas (`raytrm.models.layers`). It matches them within rounding: each product
+accumulates in fp32 and is rounded to the states' dtype where the plain formula rounds it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+#: Triton is installed and torch can make an operator of its kernels (torch.library.triton_op, torch 2.6 or later).
+HAVE_TRITON = importlib.util.find_spec("triton") is not None and hasattr(torch.library, "triton_op")
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1), as the tests do without a GPU."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_INTERPRETED = interpreted()
+
+
+#: The most positions the kernel takes: a block of columns holds all of them, in registers (Sudoku has 97; a 30x30
+#: maze's 916 take the plain formulas).
+MAX_POSITIONS = 128
+
+
+def fused_mix_available(x: torch.Tensor) -> bool:
+    """Whether mix_positions_norm serves x [positions, columns]: no gradient is being recorded, at most
+    MAX_POSITIONS positions in half precision on CUDA (or bf16 under Triton's interpreter), and the kernel is
+    registered (`register`)."""
+    return (
+        _registered
+        and not torch.is_grad_enabled()
+        and x.shape[0] <= MAX_POSITIONS
+        and (
+            (x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16))
+            or (_INTERPRETED and x.dtype == torch.bfloat16)  # the interpreter's rounding here is bf16's
+        )
+    )
+
+
+_registered = False
+
+
+def register() -> bool:
+    """Make the kernel an operator, torch.ops.raytrm.mix_positions_norm, where Triton is installed; True if it is.
+
+    Called when a model is built, so torch.compile later finds the operator and traces it into its graph.
+    """
+    global _registered
+    if _registered or not HAVE_TRITON:
+        return _registered
+    import triton
+
+    from raytrm.models._triton_kernels import mix_positions_norm_kernel
+
+    @torch.library.triton_op("raytrm::mix_positions_norm", mutates_args=())
+    def mix_positions_norm_op(
+        cols: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        L, N = cols.shape
+        inner = w_down.shape[1]
+        block_l = max(16, triton.next_power_of_2(L))
+        # The weights transposed and zero-padded to block_l positions, so the kernel loads whole tiles (300 KB).
+        w_gate_up_t = cols.new_zeros(block_l, 2 * inner)
+        w_gate_up_t[:L] = w_gate_up.t()
+        w_down_t = cols.new_zeros(inner, block_l)
+        w_down_t[:, :L] = w_down.t()
+        y = torch.empty_like(cols)
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        torch.library.wrap_triton(mix_positions_norm_kernel)[grid](
+            cols, w_gate_up_t, w_down_t, y, N, L, inner, eps, BLOCK_L=block_l, INTERPRETED=_INTERPRETED
+        )
+        return y
+
+    _registered = True
+    logger.debug("mix_positions_norm: Triton kernel registered")
+    return True
+
+
+def mix_positions_norm(cols: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(cols + w_down @ swiglu_gate(w_gate_up @ cols, dim=0), eps, dim=0) in one kernel.
+
+    cols is [L, N] (positions, columns), w_gate_up [2 * inner, L] and w_down [L, inner] in cols' dtype; inner must
+    be a multiple of 128 (swiglu_width's multiples of 256 are). Only where fused_mix_available(cols).
+    """
+    L = cols.shape[0]
+    inner = w_down.shape[1]
+    assert w_gate_up.shape == (2 * inner, L) and w_down.shape == (L, inner), "weights do not match the columns"
+    assert inner % 128 == 0, "the SwiGLU's inner width must be a multiple of 128"
+    return torch.ops.raytrm.mix_positions_norm(cols.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), eps)

@@ -1,0 +1,151 @@
+"""The fused TRM-MLP kernel (raytrm.models.kernels): equal to the plain formulas within rounding.
+
+Without a GPU the kernel runs in Triton's CPU interpreter, in a subprocess (Triton reads TRITON_INTERPRET when a
+kernel is defined); on the lent GPU machine the CUDA tests run the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrm.models import kernels
+from raytrm.models.layers import SwiGLU, add_rms_norm, cast
+
+ROOT = Path(__file__).resolve().parents[3]
+needs_triton = pytest.mark.skipif(not kernels.HAVE_TRITON, reason="needs Triton (the test extra installs it on Linux)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the lent GPU machine)")
+
+
+def _triton_version() -> tuple[int, int]:
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+
+def exact_mix(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float) -> torch.Tensor:
+    """The plain formulas with exact products (fp64), rounded to x's dtype wherever the bf16 forward rounds."""
+    dtype = x.dtype
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype).double()
+
+    gate, up = rounded(w_gate_up.double() @ x.double()).chunk(2, 0)
+    h = rounded(rounded(gate * torch.sigmoid(gate)) * up)
+    s = rounded(x.double() + rounded(w_down.double() @ h)).float()
+    return (s * torch.rsqrt(s.square().mean(0, keepdim=True) + eps)).to(dtype)
+
+
+def assert_within_a_rounding(y: torch.Tensor, exact: torch.Tensor) -> None:
+    """Nearly all of y equals exact; the rest is off by about a rounding of the sum before the norm (outputs are
+    of order 1, so by at most 2^-6, one bf16 step at 2 to 4): fp32 sums in another order, rounded, differ in under
+    1% of elements."""
+    off = (y.float() - exact.float()).abs()
+    assert off.max() <= 2**-6 and (off > 0).float().mean() < 0.01, (off.max(), (off > 0).float().mean())
+
+
+def test_without_triton_or_off_cuda_the_plain_formulas_serve(monkeypatch):
+    x = torch.zeros(97, 8, dtype=torch.bfloat16)
+    monkeypatch.setattr(kernels, "_registered", True)
+    monkeypatch.setattr(kernels, "_INTERPRETED", False)
+    with torch.no_grad():
+        assert not kernels.fused_mix_available(x)  # a CPU tensor, no interpreter
+    monkeypatch.setattr(kernels, "_registered", False)
+    with torch.no_grad():
+        assert not kernels.fused_mix_available(x.to("meta"))
+
+
+def test_the_kernel_serves_only_forwards_without_a_graph(monkeypatch):
+    monkeypatch.setattr(kernels, "_registered", True)
+    monkeypatch.setattr(kernels, "_INTERPRETED", True)
+    x = torch.zeros(97, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert kernels.fused_mix_available(x)
+        assert not kernels.fused_mix_available(x.float())  # fp32 states take the plain formulas
+        assert not kernels.fused_mix_available(torch.zeros(kernels.MAX_POSITIONS + 1, 8, dtype=torch.bfloat16))
+    assert not kernels.fused_mix_available(x)  # grad mode: the back-propagated round
+
+
+INTERPRETER_SCRIPT = """
+import torch
+from raytrm.config import ModelConfig
+from raytrm.models import TRM, kernels
+from raytrm.models.layers import SwiGLU, cast
+from tests.unit.models.test_kernels import assert_within_a_rounding, exact_mix
+
+assert kernels.register()
+torch.manual_seed(0)
+# Sudoku's 97 positions (81 cells and 16 puzzle slots) and a width that is no multiple of a block of columns.
+for positions, columns in ((97, 300), (30, 70)):
+    mlp = SwiGLU(positions, 4.0)
+    x = (3 * torch.randn(positions, columns)).bfloat16()
+    w_gate_up, w_down = cast(mlp.gate_up_proj.weight, x.dtype), cast(mlp.down_proj.weight, x.dtype)
+    with torch.no_grad():
+        y = kernels.mix_positions_norm(x, w_gate_up, w_down, 1e-5)
+    assert_within_a_rounding(y, exact_mix(x, w_gate_up, w_down, 1e-5))
+
+# In the model: the no-grad rounds take the kernel and end no further from fp32 than the plain bf16 forward.
+config = ModelConfig(variant="mlp_t", hidden_size=64, H_cycles=2, L_cycles=2, L_layers=2, num_heads=2)
+model = TRM(config, vocab_size=11, seq_len=81, dtype=torch.bfloat16).eval()
+exact = TRM(config, vocab_size=11, seq_len=81, dtype=torch.float32).eval()
+exact.load_state_dict(model.state_dict())
+batch = {
+    "inputs": torch.randint(0, 11, (4, 81)),
+    "labels": torch.randint(0, 11, (4, 81)),
+    "puzzle_identifiers": torch.zeros(4, dtype=torch.long),
+}
+calls = []
+kernel = kernels.mix_positions_norm
+kernels.mix_positions_norm = lambda *a: calls.append(1) or kernel(*a)
+with torch.no_grad():
+    fused = model(model.initial_carry(batch), batch)[1]["logits"].float()
+    assert len(calls) == 2 * 3 * 2, len(calls)  # rounds x (L_cycles + 1) x layers
+    kernels._registered = False
+    plain = model(model.initial_carry(batch), batch)[1]["logits"].float()
+    reference = exact(exact.initial_carry(batch), batch)[1]["logits"]
+fused_error, plain_error = (fused - reference).abs().mean(), (plain - reference).abs().mean()
+assert fused_error <= 1.1 * plain_error, (fused_error, plain_error)
+print("OK", fused_error.item(), plain_error.item())
+"""
+
+
+@needs_triton
+@pytest.mark.skipif(
+    not kernels.HAVE_TRITON or _triton_version() < (3, 9), reason="Triton before 3.9 cannot interpret it"
+)
+@pytest.mark.slow
+def test_the_kernel_equals_the_plain_formulas_within_a_rounding_in_tritons_interpreter():
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(INTERPRETER_SCRIPT)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("OK")
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_cuda_the_kernel_equals_the_plain_formulas_within_a_rounding(dtype):
+    assert kernels.register()
+    torch.manual_seed(0)
+    mlp = SwiGLU(97, 4.0).cuda()
+    x = (3 * torch.randn(97, 768 * 64, device="cuda")).to(dtype)
+    w_gate_up, w_down = cast(mlp.gate_up_proj.weight, dtype), cast(mlp.down_proj.weight, dtype)
+    with torch.no_grad():
+        y = kernels.mix_positions_norm(x, w_gate_up, w_down, 1e-5)
+        plain = add_rms_norm(x, mlp.forward_columns(x), 1e-5, dim=0)
+        # Traced into a compiled graph as an operator (its autotuning may pick another tile, so sum in another order).
+        compiled = torch.compile(kernels.mix_positions_norm, fullgraph=True)(x, w_gate_up, w_down, 1e-5)
+    exact = exact_mix(x, w_gate_up, w_down, 1e-5)
+    for out in (y, compiled):
+        if dtype == torch.bfloat16:
+            assert_within_a_rounding(out, exact)
+        assert (out.float() - exact.float()).abs().max() <= (plain.float() - exact.float()).abs().max()
