@@ -67,7 +67,7 @@ def register() -> bool:
         return _registered
     import triton
 
-    from raytrm.models._triton_kernels import mix_positions_norm_kernel
+    from raytrm.models._triton_kernels import BLOCK_I, mix_positions_norm_kernel
 
     @torch.library.triton_op("raytrm::mix_positions_norm", mutates_args=())
     def mix_positions_norm_op(
@@ -84,7 +84,7 @@ def register() -> bool:
         y = torch.empty_like(cols)
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
         torch.library.wrap_triton(mix_positions_norm_kernel)[grid](
-            cols, w_gate_up_t, w_down_t, y, N, L, inner, eps, BLOCK_L=block_l, INTERPRETED=_INTERPRETED
+            cols, w_gate_up_t, w_down_t, y, N, L, inner, eps, BLOCK_L=block_l, BLOCK_I=BLOCK_I, INTERPRETED=_INTERPRETED
         )
         return y
 
@@ -97,10 +97,10 @@ def mix_positions_norm(cols: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
     """rms_norm(cols + w_down @ swiglu_gate(w_gate_up @ cols, dim=0), eps, dim=0) in one kernel.
 
     cols is [L, N] (positions, columns), w_gate_up [2 * inner, L] and w_down [L, inner] in cols' dtype; inner must
-    be a multiple of 128 (swiglu_width's multiples of 256 are). Only where fused_mix_available(cols).
+    be a multiple of 64 (swiglu_width's multiples of 256 are). Only where fused_mix_available(cols).
     """
     L = cols.shape[0]
     inner = w_down.shape[1]
     assert w_gate_up.shape == (2 * inner, L) and w_down.shape == (L, inner), "weights do not match the columns"
-    assert inner % 128 == 0, "the SwiGLU's inner width must be a multiple of 128"
+    assert inner % 64 == 0, "the SwiGLU's inner width must be a multiple of 64"
     return torch.ops.raytrm.mix_positions_norm(cols.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), eps)
