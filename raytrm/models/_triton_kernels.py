@@ -30,10 +30,10 @@ def _operand(v, INTERPRETED: tl.constexpr):
         return v
 
 
-# Tiles of 64 inner rows (BLOCK_I, passed by the caller) were among the fastest of 99 tiles measured on an H200 at
-# Sudoku's shape (97 positions, 393,216 columns, inner 512): 0.51 to 0.53 ms for these, 0.54 to 7 ms for the rest.
-# The configs differ only in columns per program, warps and pipeline stages, none of which changes the order of
-# any sum, so whichever the autotuner picks, the result is the same to the bit.
+# Tiles of 64 inner rows (BLOCK_I, passed by the caller) were the fastest of 99 tiles measured on an H200 at
+# Sudoku's shape (97 positions, 393,216 columns, inner 512): 0.51 to 0.53 ms for these four, 0.54 ms and more for the
+# rest. They differ only in columns per program, warps and pipeline stages, which leave the order of every sum
+# alone: on the H200 the four gave the same bits at three shapes, so a run's numbers do not depend on the pick.
 _CONFIGS = [
     triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
     for n, w, s in ((128, 8, 4), (64, 4, 2), (128, 8, 2), (128, 8, 3))
