@@ -66,6 +66,7 @@ def register() -> bool:
     if _registered or not HAVE_TRITON:
         return _registered
     import triton
+    from torch.utils.flop_counter import register_flop_formula
 
     from raytrm.models._triton_kernels import BLOCK_I, mix_positions_norm_kernel
 
@@ -87,6 +88,12 @@ def register() -> bool:
             cols, w_gate_up_t, w_down_t, y, N, L, inner, eps, BLOCK_L=block_l, BLOCK_I=BLOCK_I, INTERPRETED=_INTERPRETED
         )
         return y
+
+    @register_flop_formula(torch.ops.raytrm.mix_positions_norm)
+    def mix_positions_norm_flops(cols_shape, w_gate_up_shape, w_down_shape, *args: object, **kwargs: object) -> int:
+        """The two products' FLOPs, at the unpadded shape: what the plain formulas' matrix products count."""
+        L, N = cols_shape
+        return 2 * N * L * (w_gate_up_shape[0] + w_down_shape[1])
 
     _registered = True
     logger.debug("mix_positions_norm: Triton kernel registered")

@@ -74,6 +74,7 @@ def test_the_kernel_serves_only_forwards_without_a_graph(monkeypatch):
 
 INTERPRETER_SCRIPT = """
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from raytrm.config import ModelConfig
 from raytrm.models import TRM, kernels
 from raytrm.models.layers import SwiGLU, cast
@@ -89,6 +90,13 @@ for positions, columns in ((97, 300), (30, 70)):
     with torch.no_grad():
         y = kernels.mix_positions_norm(x, w_gate_up, w_down, 1e-5)
     assert_within_a_rounding(y, exact_mix(x, w_gate_up, w_down, 1e-5))
+    # torch's FLOP counter (raytrm bench's) counts the kernel's products as it counts the plain formulas'.
+    counts = []
+    for mix in (lambda: kernels.mix_positions_norm(x, w_gate_up, w_down, 1e-5), lambda: mlp.forward_columns(x)):
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            mix()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] > 0, counts
 
 # In the model: the no-grad rounds take the kernel and end no further from fp32 than the plain bf16 forward.
 config = ModelConfig(variant="mlp_t", hidden_size=64, H_cycles=2, L_cycles=2, L_layers=2, num_heads=2)
