@@ -3,7 +3,8 @@
 The mixing (a SwiGLU across positions, the residual add and the norm over positions) is TRM-MLP's heaviest
 memory traffic. Rows: the plain formulas eager and compiled by inductor (where this device compiles), and the fused
 Triton kernel eager and inside a compiled graph (where it runs: half precision on CUDA with Triton). No gradient is
-recorded, as in TRM's no-grad rounds. Rates count the two products' FLOPs at the unpadded shape.
+recorded, as in TRM's no-grad rounds. On a CPU, a row for the plain formulas a cache-sized block of columns at a
+time, as raytrm runs them there. Rates count the two products' FLOPs at the unpadded shape.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 from raytrm.bench.timing import median_seconds
 from raytrm.hardware import device as devices
 from raytrm.models import kernels
-from raytrm.models.layers import SwiGLU, add_rms_norm, cast
+from raytrm.models.layers import SwiGLU, add_rms_norm, cast, mix_columns_in_blocks
+from raytrm.models.trm import CPU_COLUMN_BLOCK
 from raytrm.train.compile import plan_compile
 
 #: Sudoku's positions: 81 cells and the 16 puzzle-embedding slots.
@@ -48,6 +50,8 @@ def implementations(mlp: SwiGLU, cols: torch.Tensor) -> dict[str, Callable[[], t
         return kernels.mix_positions_norm(x, w_gate_up, w_down, EPS)
 
     ways: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"plain": plain}
+    if cols.device.type == "cpu":
+        ways["column blocks"] = lambda x: mix_columns_in_blocks(mlp, x, EPS, CPU_COLUMN_BLOCK)
     compiles = plan_compile("on", cols.device.type).enabled
     if compiles:
         ways["plain compiled"] = torch.compile(plain)

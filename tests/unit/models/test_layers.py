@@ -18,6 +18,7 @@ from raytrm.models.layers import (
     _RMSNorm,
     add_rms_norm,
     apply_rotary,
+    mix_columns_in_blocks,
     rms_norm,
     swiglu_gate,
     swiglu_width,
@@ -216,3 +217,14 @@ def test_half_precision_rotary_is_the_fp32_formula_rounded_once_with_its_gradien
     (grad,) = torch.autograd.grad(ours, x, g)
     (expected,) = torch.autograd.grad(plain, x, g)
     torch.testing.assert_close(grad, expected)
+
+
+@pytest.mark.parametrize("block", [1, 7, 64, 1000])
+def test_mixing_columns_in_blocks_equals_the_whole_matrix_formula_within_fp32_rounding(block):
+    torch.manual_seed(0)
+    mlp = SwiGLU(97, 4.0)
+    cols = torch.randn(97, 300)
+    with torch.no_grad():
+        whole = add_rms_norm(cols, mlp.forward_columns(cols), 1e-5, dim=0)
+        # The BLAS may sum a narrow block's products in another order (blocks of 1 and 7 do, here).
+        torch.testing.assert_close(mix_columns_in_blocks(mlp, cols, 1e-5, block), whole)
