@@ -57,6 +57,17 @@ def fused_mix_available(x: torch.Tensor) -> bool:
 _registered = False
 
 
+def padded_weights(w_gate_up: torch.Tensor, w_down: torch.Tensor, block_l: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's weights: transposed and zero-padded to block_l positions, so it loads whole tiles (300 KB at
+    Sudoku's shape): w_gate_up_t [block_l, 2 * inner] and w_down_t [inner, block_l]."""
+    L, inner = w_down.shape
+    w_gate_up_t = w_gate_up.new_zeros(block_l, 2 * inner)
+    w_gate_up_t[:L] = w_gate_up.t()
+    w_down_t = w_down.new_zeros(inner, block_l)
+    w_down_t[:, :L] = w_down.t()
+    return w_gate_up_t, w_down_t
+
+
 def register() -> bool:
     """Make the kernel an operator, torch.ops.raytrm.mix_positions_norm, where Triton is installed; True if it is.
 
@@ -77,11 +88,7 @@ def register() -> bool:
         L, N = cols.shape
         inner = w_down.shape[1]
         block_l = max(16, triton.next_power_of_2(L))
-        # The weights transposed and zero-padded to block_l positions, so the kernel loads whole tiles (300 KB).
-        w_gate_up_t = cols.new_zeros(block_l, 2 * inner)
-        w_gate_up_t[:L] = w_gate_up.t()
-        w_down_t = cols.new_zeros(inner, block_l)
-        w_down_t[:, :L] = w_down.t()
+        w_gate_up_t, w_down_t = padded_weights(w_gate_up, w_down, block_l)
         y = torch.empty_like(cols)
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
         torch.library.wrap_triton(mix_positions_norm_kernel)[grid](

@@ -171,10 +171,8 @@ def test_on_cuda_every_tile_the_autotuner_may_pick_gives_the_same_bits():
     mlp = SwiGLU(positions, 4.0).cuda()
     x = (3 * torch.randn(positions, columns, device="cuda")).bfloat16()
     inner = mlp.down_proj.weight.shape[1]
-    w_gate_up_t = x.new_zeros(128, 2 * inner)
-    w_gate_up_t[:positions] = cast(mlp.gate_up_proj.weight, x.dtype).t()
-    w_down_t = x.new_zeros(inner, 128)
-    w_down_t[:, :positions] = cast(mlp.down_proj.weight, x.dtype).t()
+    w_gate_up, w_down = cast(mlp.gate_up_proj.weight, x.dtype), cast(mlp.down_proj.weight, x.dtype)
+    w_gate_up_t, w_down_t = kernels.padded_weights(w_gate_up, w_down, 128)
     outputs = []
     for config in tk._CONFIGS:
         y = torch.empty_like(x)
@@ -198,7 +196,4 @@ def test_on_cuda_every_tile_the_autotuner_may_pick_gives_the_same_bits():
         outputs.append(y)
     assert all(torch.equal(y, outputs[0]) for y in outputs[1:])
     with torch.no_grad():
-        assert torch.equal(
-            kernels.mix_positions_norm(x, *(cast(w.weight, x.dtype) for w in (mlp.gate_up_proj, mlp.down_proj)), 1e-5),
-            outputs[0],
-        )
+        assert torch.equal(kernels.mix_positions_norm(x, w_gate_up, w_down, 1e-5), outputs[0])
