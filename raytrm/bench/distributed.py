@@ -50,6 +50,7 @@ def slow_down(factor: float) -> None:
     def micro_step(self: TRMTask, *args: Any) -> Any:
         start = time.perf_counter()
         out = real(self, *args)
+        devices.synchronize(self.device)  # a micro-step returns before the device is done
         time.sleep((factor - 1) * (time.perf_counter() - start))
         return out
 

@@ -6,6 +6,10 @@ holds what stops it (cuda device strings, the CUDA-only adam-atan2 optimizer, to
 imported: this module plays its part. The model, its loss head (float64 stablemax, which a CPU runs), the sparse
 SignSGD of the puzzle embedding and the EMA helper are the reference's own classes, built as `pretrain.py` builds them
 but with the forward dtype raytrm picks for the device (float32 on a CPU) and torch's AdamW for the weights.
+
+What `pretrain.py` does for speed, this does too: on CUDA the weights' optimizer is one fused kernel (AdamW's
+`fused=True`, as adam-atan2's CUDA kernel is), and the next batch is gathered in page-locked memory while the device
+runs a step (its DataLoader's worker, pin_memory and prefetch do that), so the step waits for the device once.
 """
 
 from __future__ import annotations
@@ -240,7 +244,11 @@ class ReferenceTrainer:
         # pretrain.py: SignSGD on the puzzle-embedding buffers, the weights' optimizer on model.parameters().
         self.optimizers: list[torch.optim.Optimizer] = [
             torch.optim.AdamW(
-                self.model.parameters(), lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay
+                self.model.parameters(),
+                lr=train.lr,
+                betas=tuple(train.betas),
+                weight_decay=train.weight_decay,
+                fused=True if device.type == devices.CUDA else None,
             )
         ]
         if arch["puzzle_emb_ndim"]:
@@ -258,18 +266,22 @@ class ReferenceTrainer:
             self.ema = classes.ema(mu=train.ema_decay)
             self.ema.register(self.model)
         self.carry = None
+        self._next: dict[str, torch.Tensor] | None = None
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
 
     def close(self) -> None:
         self._imports.close()
 
-    def _batch(self) -> dict[str, torch.Tensor]:
+    def _gather(self) -> dict[str, torch.Tensor]:
+        """The next batch on the host (page-locked on CUDA)."""
         idx = self.rng.choice(len(self.data), size=self.batch_size, replace=len(self.data) < self.batch_size)
-        return {k: torch.from_numpy(v).to(self.device) for k, v in self.data.batch(idx).items()}
+        batch = {k: torch.from_numpy(v) for k, v in self.data.batch(idx).items()}
+        return {k: v.pin_memory() for k, v in batch.items()} if self.device.type == devices.CUDA else batch
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step as the reference takes it; returns its summed metrics."""
-        batch = self._batch()
+        host, self._next = self._next or self._gather(), None
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
         if self.carry is None:
             with self.device:
                 self.carry = self.model.initial_carry(batch)
@@ -280,6 +292,7 @@ class ReferenceTrainer:
             optimizer.zero_grad()
         if self.ema is not None:
             self.ema.update(self.model)
+        self._next = self._gather()
         keys = sorted(metrics)
         values = torch.stack([metrics[k] for k in keys]).cpu().numpy() if keys else []
         return dict(zip(keys, map(float, values), strict=True))

@@ -107,15 +107,22 @@ class Exploration:
             2, halt_max_steps + 1, (batch_size,), generator=generator, device=where, dtype=torch.int32
         )
         min_halt_steps = torch.where(explore, minimum, 0)
-        return cls(min_halt_steps if device is None else min_halt_steps.to(device))
+        if device is None or torch.device(device) == min_halt_steps.device:
+            return cls(min_halt_steps)
+        if min_halt_steps.device.type == "cpu" and torch.device(device).type == "cuda":
+            # Copied from page-locked memory, the draws join the device's queue without the host waiting for it.
+            return cls(min_halt_steps.pin_memory().to(device, non_blocking=True))
+        return cls(min_halt_steps.to(device))
 
     def __getitem__(self, index: slice | torch.Tensor) -> Exploration:
         return Exploration(self.min_halt_steps[index])
 
 
 class Block(nn.Module):
-    """Post-norm block on positions-first x [L, B, D]: a mixer across positions (attention or mlp_t), then a
-    SwiGLU across features."""
+    """Post-norm block: a mixer across positions (attention or mlp_t), then a SwiGLU across features.
+
+    x is in the step's layout (see TRM.positions_first): [L, B, D] for mlp_t, [B, L, D] for attention.
+    """
 
     def __init__(self, config: ModelConfig, positions: int) -> None:
         super().__init__()

@@ -25,6 +25,7 @@ from raytrm.models.trm import TRM, Carry, Exploration
 from raytrm.train.optim import SignSGD
 
 Batch = dict[str, torch.Tensor]
+Scalar = torch.Tensor | float  # a 0-dim tensor on the device, or a number the host already knows
 
 
 class Task(Protocol):
@@ -41,7 +42,9 @@ class Task(Protocol):
     overlaps_sync: bool
 
     def begin_step(self, batch: Batch, global_batch: int, part: slice) -> Any: ...
-    def micro_step(self, batch: Batch, part: slice, step: Any) -> tuple[float, dict[str, float]]: ...
+    #: A micro-batch's loss and metric sums, as the device computed them: scalars (0-dim tensors) or plain numbers
+    #: known on the host. The Trainer adds them up on the device and reads them once a step (Trainer._read).
+    def micro_step(self, batch: Batch, part: slice, step: Any) -> tuple[Scalar, dict[str, Scalar]]: ...
     def rates(self, totals: dict[str, float], global_batch: int) -> dict[str, float | None]: ...
     def snapshot(self) -> Any: ...
     def restore(self, saved: Any) -> None: ...
@@ -116,14 +119,14 @@ class TRMTask:
         self._global_batch = global_batch
         return exploration
 
-    def micro_step(self, batch: Batch, part: slice, step: Exploration) -> tuple[float, dict[str, float]]:
+    def micro_step(self, batch: Batch, part: slice, step: Exploration) -> tuple[Scalar, dict[str, Scalar]]:
         assert self.carry is not None
         micro = {k: v[part] for k, v in batch.items()}
         carry, outputs = self.model(self.carry[part], micro, step[part])
         loss, metrics = act_loss(outputs, carry, global_batch_size=self._global_batch, compute_dtype=self.loss_dtype)
         loss.backward()
         self.carry.assign_(part, carry)
-        return float(loss.detach()), {key: float(value) for key, value in metrics.items()}
+        return loss.detach(), metrics
 
     def rates(self, totals: dict[str, float], global_batch: int) -> dict[str, float | None]:
         return _rates(totals, global_batch)
@@ -240,7 +243,7 @@ class TransformerTask:
         """The loss divisor: the global batch's tokens (lm) or documents (classify)."""
         return global_batch * (self.tokens_per_sample or 1)
 
-    def micro_step(self, batch: Batch, part: slice, divisor: int) -> tuple[float, dict[str, float]]:
+    def micro_step(self, batch: Batch, part: slice, divisor: int) -> tuple[Scalar, dict[str, Scalar]]:
         labels = batch["labels"][part]
         logits = self.model(batch["inputs"][part])
         # Cross-entropy in fp32 whatever the forward dtype; summed, then divided by the global count.
@@ -248,8 +251,8 @@ class TransformerTask:
         loss = total / divisor
         loss.backward()
         with torch.no_grad():
-            correct = float((logits.argmax(-1) == labels).sum())
-        return float(loss.detach()), {"loss_sum": float(total.detach()), "correct": correct, "count": labels.numel()}
+            correct = (logits.argmax(-1) == labels).sum()
+        return loss.detach(), {"loss_sum": total.detach(), "correct": correct, "count": labels.numel()}
 
     def rates(self, totals: dict[str, float], global_batch: int) -> dict[str, float | None]:
         ce = totals["loss_sum"] / totals["count"]

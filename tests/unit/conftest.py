@@ -39,6 +39,8 @@ def tiny(sudoku_dir):
                 "weight_decay": 0.1,
                 "puzzle_emb_lr": 1e-2,
                 "threads": 1,
+                # The CPU's fp32, on a GPU machine too: these tests compare to fp32 rounding. CUDA tests ask for it.
+                "device": "cpu",
                 "log_interval": 1,
                 "seed": 3,
             },

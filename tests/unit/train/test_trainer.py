@@ -65,6 +65,25 @@ def test_accumulation_gives_the_same_update_carry_included(tiny):
     assert_close_dicts(whole.ema.state_dict()["shadow"], parts.ema.state_dict()["shadow"], rtol=0, atol=1e-2 * lr)
 
 
+def test_a_step_that_gathers_the_next_batch_early_trains_on_the_same_batches(tiny):
+    """train_step gathers batch k + 1 while the device runs step k: the stream, the losses and the weights are those
+    of the plain forward_backward and optimizer_step, and a batch given by the caller leaves the stream alone."""
+    early, plain = Trainer(tiny()), Trainer(tiny())
+    given = early._next_global_batch()
+    plain._next_global_batch()
+    for step in range(4):
+        if step == 2:  # the caller's batch: the stream's batch 2 stays the next one, early or not
+            result = early.train_step(batch=given)
+            loss, metrics = plain.forward_backward(batch=given)
+        else:
+            result = early.train_step()
+            loss, metrics = plain.forward_backward()
+        plain.optimizer_step()
+        assert result.loss == loss and result.metrics == metrics, step
+    assert_close_dicts(params(early), params(plain), rtol=0, atol=0)
+    assert torch.equal(early._next_global_batch()["inputs"], plain._next_global_batch()["inputs"])
+
+
 def _strip(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
 
