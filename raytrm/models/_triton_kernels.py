@@ -88,3 +88,44 @@ def mix_positions_norm_kernel(
     r = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / L + eps)
     y = _rounded(s * r[:, None], dtype, INTERPRETED).to(dtype)
     tl.store(y_ptr + rows[None, :] * N + cols[:, None], y, mask=mask)
+
+
+@triton.jit
+def swiglu_gate_kernel(gate_up_ptr, out_ptr, C, row_stride, up_offset, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+    """out[r, c] = silu(gate) * up, gate at gate_up[r * row_stride + c] and up up_offset after it; out is [R, C].
+
+    One program per (row, block of BLOCK columns). In fp32, rounded where the plain formula rounds: silu(gate), then
+    the product.
+    """
+    dtype = out_ptr.dtype.element_ty
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < C
+    g_ptr = gate_up_ptr + r * row_stride + c
+    gate = tl.load(g_ptr, mask=mask).to(tl.float32)
+    up = tl.load(g_ptr + up_offset, mask=mask).to(tl.float32)
+    silu = _rounded(gate * tl.sigmoid(gate), dtype, INTERPRETED)
+    tl.store(out_ptr + r * C + c, _rounded(silu * up, dtype, INTERPRETED).to(dtype), mask=mask)
+
+
+@triton.jit
+def swiglu_gate_backward_kernel(
+    gate_up_ptr, grad_ptr, grad_gate_up_ptr, C, row_stride, up_offset, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr
+):
+    """The gradient of swiglu_gate_kernel's output with respect to gate_up, laid out as gate_up (same indexing):
+    d gate = (g * up) * s * (1 + gate * (1 - s)) and d up = silu(gate) * g, with s = sigmoid(gate), rounded where
+    the plain formulas' backward rounds (g * up, silu(gate) and each result)."""
+    dtype = grad_gate_up_ptr.dtype.element_ty
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < C
+    offset = r * row_stride + c
+    gate = tl.load(gate_up_ptr + offset, mask=mask).to(tl.float32)
+    up = tl.load(gate_up_ptr + offset + up_offset, mask=mask).to(tl.float32)
+    g = tl.load(grad_ptr + r * C + c, mask=mask).to(tl.float32)
+    s = tl.sigmoid(gate)
+    g_up = _rounded(g * up, dtype, INTERPRETED)
+    grad_gate = _rounded(g_up * s * (1 + gate * (1 - s)), dtype, INTERPRETED)
+    grad_up = _rounded(_rounded(gate * s, dtype, INTERPRETED) * g, dtype, INTERPRETED)
+    tl.store(grad_gate_up_ptr + offset, grad_gate.to(dtype), mask=mask)
+    tl.store(grad_gate_up_ptr + offset + up_offset, grad_up.to(dtype), mask=mask)

@@ -1,4 +1,4 @@
-"""A Triton kernel for CUDA: TRM-MLP's position mixing fused with the residual norm that follows it.
+"""Triton kernels for CUDA: TRM-MLP's position mixing fused with the residual norm after it, and the SwiGLU gate.
 
 TRM-MLP mixes the positions of every (batch row, feature) column with a SwiGLU, adds the column back and normalises
 it over positions. Done as separate operations, the gate/up projection writes a [2 * inner, columns] tensor, 8 times
@@ -9,6 +9,12 @@ states once and writes the result once.
 It is the forward of the no-grad rounds (most of a TRM step), on CUDA in half precision when Triton is installed;
 everything else takes the plain formulas (`raytrm.models.layers`). It matches them within rounding: each product
 accumulates in fp32 and is rounded to the states' dtype where the plain formula rounds it.
+
+The SwiGLU gate, silu(gate) * up, is an operator with a hand-written backward (`swiglu_gate`), on CUDA in half
+precision, with or without a graph and compiled or not. It reads the projection once and writes the product once;
+its backward reads the projection and the gradient once and writes both halves' gradients in place. On an H200 the
+plain formulas' backward, fused by inductor into one kernel that writes a concatenation, ran at half the memory rate
+(0.85 ms against 0.50 ms at TRM-MLP's [1024, 393,216] mixing projection).
 """
 
 from __future__ import annotations
@@ -54,7 +60,35 @@ def fused_mix_available(x: torch.Tensor) -> bool:
     )
 
 
+def fused_gate_available(gate_up: torch.Tensor, dim: int) -> bool:
+    """Whether swiglu_gate serves gate_up split along dim: contiguous, split along its first or last dimension, in
+    half precision on CUDA (or bf16 under Triton's interpreter), with the operator registered (`register`)."""
+    return (
+        _registered
+        and gate_up.is_contiguous()
+        and dim % gate_up.dim() in (0, gate_up.dim() - 1)
+        and gate_up.shape[dim] % 2 == 0
+        and (
+            (gate_up.device.type == "cuda" and gate_up.dtype in (torch.bfloat16, torch.float16))
+            or (_INTERPRETED and gate_up.dtype == torch.bfloat16)
+        )
+    )
+
+
 _registered = False
+
+
+def _gate_layout(gate_up: torch.Tensor, dim: int) -> tuple[int, int, int, int, tuple[int, ...]]:
+    """(rows, columns, row stride, offset of up from gate, output shape) of a gate split along dim (first or last).
+
+    Split along the last dimension, a row is one vector: gate its first half, up its second. Split along the first,
+    a row is one of the inner units: its gate over every column, and its up `inner` rows further.
+    """
+    inner = gate_up.shape[dim] // 2
+    if dim % gate_up.dim() == gate_up.dim() - 1:
+        return gate_up.numel() // (2 * inner), inner, 2 * inner, inner, (*gate_up.shape[:-1], inner)
+    columns = gate_up.numel() // (2 * inner)
+    return inner, columns, columns, inner * columns, (inner, *gate_up.shape[1:])
 
 
 def padded_weights(w_gate_up: torch.Tensor, w_down: torch.Tensor, block_l: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +113,12 @@ def register() -> bool:
     import triton
     from torch.utils.flop_counter import register_flop_formula
 
-    from raytrm.models._triton_kernels import BLOCK_I, mix_positions_norm_kernel
+    from raytrm.models._triton_kernels import (
+        BLOCK_I,
+        mix_positions_norm_kernel,
+        swiglu_gate_backward_kernel,
+        swiglu_gate_kernel,
+    )
 
     @torch.library.triton_op("raytrm::mix_positions_norm", mutates_args=())
     def mix_positions_norm_op(
@@ -102,9 +141,54 @@ def register() -> bool:
         L, N = cols_shape
         return 2 * N * L * (w_gate_up_shape[0] + w_down_shape[1])
 
+    def gate_launch(columns: int) -> tuple[int, int]:
+        block = min(4096, triton.next_power_of_2(columns))
+        return block, 8 if block >= 2048 else 4
+
+    @torch.library.triton_op("raytrm::swiglu_gate", mutates_args=())
+    def swiglu_gate_op(gate_up: torch.Tensor, dim: int) -> torch.Tensor:
+        rows, columns, row_stride, up_offset, shape = _gate_layout(gate_up, dim)
+        out = gate_up.new_empty(shape)
+        block, warps = gate_launch(columns)
+        torch.library.wrap_triton(swiglu_gate_kernel)[(rows, triton.cdiv(columns, block))](
+            gate_up, out, columns, row_stride, up_offset, BLOCK=block, INTERPRETED=_INTERPRETED, num_warps=warps
+        )
+        return out
+
+    @torch.library.triton_op("raytrm::swiglu_gate_backward", mutates_args=())
+    def swiglu_gate_backward_op(gate_up: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
+        rows, columns, row_stride, up_offset, _ = _gate_layout(gate_up, dim)
+        grad_gate_up = torch.empty_like(gate_up)
+        block, warps = gate_launch(columns)
+        torch.library.wrap_triton(swiglu_gate_backward_kernel)[(rows, triton.cdiv(columns, block))](
+            gate_up, grad, grad_gate_up, columns, row_stride, up_offset, BLOCK=block, INTERPRETED=_INTERPRETED,
+            num_warps=warps,
+        )  # fmt: skip
+        return grad_gate_up
+
+    def gate_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+        gate_up, dim = inputs
+        ctx.save_for_backward(gate_up)
+        ctx.dim = dim
+
+    def gate_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+        (gate_up,) = ctx.saved_tensors
+        return torch.ops.raytrm.swiglu_gate_backward(gate_up, grad.contiguous(), ctx.dim), None
+
+    torch.library.register_autograd("raytrm::swiglu_gate", gate_backward, setup_context=gate_setup)
+
     _registered = True
-    logger.debug("mix_positions_norm: Triton kernel registered")
+    logger.debug("mix_positions_norm, swiglu_gate: Triton kernels registered")
     return True
+
+
+def swiglu_gate(gate_up: torch.Tensor, dim: int) -> torch.Tensor:
+    """silu(gate) * up for gate and up the halves of gate_up along dim, rounded where the plain formula rounds (the
+    eager one; inductor rounds only the product); differentiable.
+
+    Only where fused_gate_available(gate_up, dim).
+    """
+    return torch.ops.raytrm.swiglu_gate(gate_up, dim)
 
 
 def mix_positions_norm(cols: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float) -> torch.Tensor:

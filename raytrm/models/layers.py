@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raytrm.models import kernels
+
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t in dtype, without a call or a copy when it already is."""
@@ -164,7 +166,13 @@ class _SwiGLUGate(torch.autograd.Function):
 
 
 def swiglu_gate(gate_up: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """silu(gate) * up, where gate and up are the two halves of gate_up along dim (plain under torch.compile)."""
+    """silu(gate) * up, where gate and up are the two halves of gate_up along dim.
+
+    On CUDA in half precision a Triton operator computes it, eager or compiled (raytrm.models.kernels); elsewhere,
+    plain under torch.compile and an autograd function with a hand-written backward without.
+    """
+    if kernels.fused_gate_available(gate_up, dim):
+        return kernels.swiglu_gate(gate_up, dim)
     if torch.compiler.is_compiling():
         gate, up = gate_up.chunk(2, dim)
         return F.silu(gate) * up
@@ -317,6 +325,7 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, expansion: float) -> None:
         super().__init__()
         inner = swiglu_width(hidden_size, expansion)
+        kernels.register()  # the gate's operator, where Triton is installed
         self.gate_up_proj = Linear(hidden_size, 2 * inner)
         self.down_proj = Linear(inner, hidden_size)
 
@@ -348,39 +357,28 @@ def mix_columns_in_blocks(mlp: SwiGLU, cols: torch.Tensor, eps: float, block: in
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with a fused qkv projection, optional RoPE and PyTorch's SDPA kernel.
+    """Multi-head self-attention on x [B, L, D] with a fused qkv projection, optional RoPE and PyTorch's SDPA."""
 
-    x is [B, L, D], or [L, B, D] with seq_first=True.
-    """
-
-    def __init__(self, hidden_size: int, num_heads: int, causal: bool = False, seq_first: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_heads: int, causal: bool = False) -> None:
         super().__init__()
         assert hidden_size % num_heads == 0, "hidden_size must be a multiple of num_heads"
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
         self.causal = causal
-        self.seq_first = seq_first
         self.qkv_proj = Linear(hidden_size, 3 * hidden_size)
         self.o_proj = Linear(hidden_size, hidden_size)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        H = self.num_heads
-        L = x.shape[0] if self.seq_first else x.shape[1]
+        H, L = self.num_heads, x.shape[1]
         qkv = self.qkv_proj(x).unflatten(-1, (3 * H, self.head_dim))
         v = qkv[..., 2 * H :, :]
         qk = qkv[..., : 2 * H, :]
         if rope is not None:
             # q and k share the rotation, so they are rotated in one pass.
-            cos, sin = rope[0][:L], rope[1][:L]
-            if self.seq_first:
-                cos, sin = cos[:, None, None], sin[:, None, None]
-            else:
-                cos, sin = cos[:, None], sin[:, None]
-            qk = apply_rotary(qk, cos, sin)
+            qk = apply_rotary(qk, rope[0][:L, None], rope[1][:L, None])
         q, k = qk.split(H, dim=-2)
-        # SDPA wants [B, heads, L, head_dim]; these permutes are views.
-        to_heads, from_heads = ((1, 2, 0, 3), (2, 0, 1, 3)) if self.seq_first else ((0, 2, 1, 3), (0, 2, 1, 3))
+        # SDPA takes [B, heads, L, head_dim]; these transposes are views, in the strides its kernels read natively.
         out = F.scaled_dot_product_attention(
-            q.permute(to_heads), k.permute(to_heads), v.permute(to_heads), is_causal=self.causal
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.causal
         )
-        return self.o_proj(out.permute(from_heads).flatten(-2))
+        return self.o_proj(out.transpose(1, 2).flatten(-2))

@@ -34,7 +34,7 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, causal: bool) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
-        self.attn = Attention(config.hidden_size, config.num_heads, causal=causal, seq_first=False)
+        self.attn = Attention(config.hidden_size, config.num_heads, causal=causal)
         self.mlp = SwiGLU(config.hidden_size, config.expansion)
         self.dropout = nn.Dropout(config.dropout)
 

@@ -1,4 +1,5 @@
-"""The fused TRM-MLP kernel (raytrm.models.kernels): equal to the plain formulas within rounding.
+"""The Triton kernels (raytrm.models.kernels), TRM-MLP's fused mixing and the SwiGLU gate: equal to the plain
+formulas within rounding.
 
 Without a GPU the kernel runs in Triton's CPU interpreter, in a subprocess (Triton reads TRITON_INTERPRET when a
 kernel is defined); on the lent GPU machine the CUDA tests run the compiled kernel.
@@ -70,6 +71,60 @@ def test_the_kernel_serves_only_forwards_without_a_graph(monkeypatch):
         assert not kernels.fused_mix_available(x.float())  # fp32 states take the plain formulas
         assert not kernels.fused_mix_available(torch.zeros(kernels.MAX_POSITIONS + 1, 8, dtype=torch.bfloat16))
     assert not kernels.fused_mix_available(x)  # grad mode: the back-propagated round
+
+
+def test_the_gate_operator_serves_contiguous_half_precision_split_along_the_first_or_last_dimension(monkeypatch):
+    monkeypatch.setattr(kernels, "_registered", True)
+    monkeypatch.setattr(kernels, "_INTERPRETED", True)
+    x = torch.zeros(6, 4, 8, dtype=torch.bfloat16)
+    assert kernels.fused_gate_available(x, 0) and kernels.fused_gate_available(x, -1)
+    assert kernels.fused_gate_available(x, 2)
+    assert not kernels.fused_gate_available(x, 1)  # a middle dimension takes the plain formula
+    assert not kernels.fused_gate_available(x.transpose(0, 2), 0)  # so does a strided view
+    assert not kernels.fused_gate_available(x.float(), -1)
+    assert not kernels.fused_gate_available(torch.zeros(6, 7, dtype=torch.bfloat16), -1)  # no halves
+    with torch.no_grad():
+        assert kernels.fused_gate_available(x, -1)  # with or without a graph, unlike the mixing kernel
+    monkeypatch.setattr(kernels, "_INTERPRETED", False)
+    assert not kernels.fused_gate_available(x, -1)  # on a CPU without the interpreter
+
+
+GATE_SCRIPT = """
+import torch
+from raytrm.models import kernels
+from raytrm.models.layers import _SwiGLUGate, swiglu_gate
+
+assert kernels.register()
+torch.manual_seed(0)
+# TRM-MLP's mixing (split along the first dimension of [2 * inner, columns]), the feature SwiGLU's (along the
+# last), and widths that are no multiple of a block.
+for shape, dim in (((2 * 64, 300), 0), ((2 * 3, 4, 5), 0), ((5, 7, 2 * 96), -1), ((3, 2 * 1500), -1)):
+    x = (3 * torch.randn(shape)).bfloat16()
+    ours, plain = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = swiglu_gate(ours, dim)
+    expected = _SwiGLUGate.apply(plain, dim)  # the CPU's bf16 formulas, rounding where the operator rounds
+    grad = torch.randn_like(expected)
+    out.backward(grad)
+    expected.backward(grad)
+    assert out.shape == expected.shape and ours.grad.shape == x.shape
+    for a, b in ((out, expected), (ours.grad, plain.grad)):
+        off = (a.float() - b.float()).abs()
+        # Equal but for the odd element a bf16 step apart (fp32 sigmoid against the CPU's silu, then rounded).
+        assert (off > 0).float().mean() < 1e-3 and (off <= b.float().abs() * 2**-7).all(), (shape, off.max())
+print("OK")
+"""
+
+
+@needs_triton
+@pytest.mark.skipif(
+    not kernels.HAVE_TRITON or _triton_version() < (3, 9), reason="Triton before 3.9 cannot interpret it"
+)
+def test_the_gate_operator_equals_the_plain_formulas_forward_and_backward_in_tritons_interpreter():
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(GATE_SCRIPT)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("OK")
 
 
 INTERPRETER_SCRIPT = """
@@ -197,3 +252,27 @@ def test_on_cuda_every_tile_the_autotuner_may_pick_gives_the_same_bits():
     assert all(torch.equal(y, outputs[0]) for y in outputs[1:])
     with torch.no_grad():
         assert torch.equal(kernels.mix_positions_norm(x, w_gate_up, w_down, 1e-5), outputs[0])
+
+
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dim", [0, -1])
+def test_on_cuda_the_gate_operator_equals_the_plain_formulas_eager_and_compiled(dim):
+    from raytrm.models.layers import _SwiGLUGate
+
+    assert kernels.register()
+    torch.manual_seed(0)
+    shape = (2 * 512, 768 * 8) if dim == 0 else (768, 8, 2 * 1536)
+    x = (3 * torch.randn(shape, device="cuda")).bfloat16()
+    expected = x.clone().requires_grad_()
+    plain = _SwiGLUGate.apply(expected, dim)
+    grad = torch.randn_like(plain)
+    plain.backward(grad)
+    for gate in (kernels.swiglu_gate, torch.compile(kernels.swiglu_gate, fullgraph=True)):
+        ours = x.clone().requires_grad_()
+        out = gate(ours, dim)
+        out.backward(grad)
+        for a, b in ((out, plain), (ours.grad, expected.grad)):
+            off = (a.float() - b.float()).abs()
+            # Within a bf16 step where CUDA's fused multiply-adds round otherwise than the eager kernels.
+            assert (off <= b.float().abs() * 2**-7 + 1e-30).all() and (off > 0).float().mean() < 0.05, off.max()
