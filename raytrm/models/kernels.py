@@ -115,6 +115,9 @@ def register() -> bool:
 
     from raytrm.models._triton_kernels import (
         BLOCK_I,
+        GATE_BLOCK_C,
+        GATE_BLOCK_R,
+        GATE_WARPS,
         mix_positions_norm_kernel,
         swiglu_gate_backward_kernel,
         swiglu_gate_kernel,
@@ -141,29 +144,25 @@ def register() -> bool:
         L, N = cols_shape
         return 2 * N * L * (w_gate_up_shape[0] + w_down_shape[1])
 
-    def gate_launch(columns: int) -> tuple[int, int]:
-        block = min(4096, triton.next_power_of_2(columns))
-        return block, 8 if block >= 2048 else 4
+    def gate_launch(kernel: object, gate_up: torch.Tensor, dim: int, *tensors: torch.Tensor) -> None:
+        """Run a gate kernel over gate_up (split along dim) in tiles; tensors are its other tensor arguments."""
+        rows, columns, row_stride, up_offset, _ = _gate_layout(gate_up, dim)
+        tiles = triton.cdiv(rows, GATE_BLOCK_R) * triton.cdiv(columns, GATE_BLOCK_C)
+        torch.library.wrap_triton(kernel)[(tiles,)](
+            gate_up, *tensors, rows, columns, row_stride, up_offset, BLOCK_R=GATE_BLOCK_R, BLOCK_C=GATE_BLOCK_C,
+            INTERPRETED=_INTERPRETED, num_warps=GATE_WARPS,
+        )  # fmt: skip
 
     @torch.library.triton_op("raytrm::swiglu_gate", mutates_args=())
     def swiglu_gate_op(gate_up: torch.Tensor, dim: int) -> torch.Tensor:
-        rows, columns, row_stride, up_offset, shape = _gate_layout(gate_up, dim)
-        out = gate_up.new_empty(shape)
-        block, warps = gate_launch(columns)
-        torch.library.wrap_triton(swiglu_gate_kernel)[(rows, triton.cdiv(columns, block))](
-            gate_up, out, columns, row_stride, up_offset, BLOCK=block, INTERPRETED=_INTERPRETED, num_warps=warps
-        )
+        out = gate_up.new_empty(_gate_layout(gate_up, dim)[4])
+        gate_launch(swiglu_gate_kernel, gate_up, dim, out)
         return out
 
     @torch.library.triton_op("raytrm::swiglu_gate_backward", mutates_args=())
     def swiglu_gate_backward_op(gate_up: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
-        rows, columns, row_stride, up_offset, _ = _gate_layout(gate_up, dim)
         grad_gate_up = torch.empty_like(gate_up)
-        block, warps = gate_launch(columns)
-        torch.library.wrap_triton(swiglu_gate_backward_kernel)[(rows, triton.cdiv(columns, block))](
-            gate_up, grad, grad_gate_up, columns, row_stride, up_offset, BLOCK=block, INTERPRETED=_INTERPRETED,
-            num_warps=warps,
-        )  # fmt: skip
+        gate_launch(swiglu_gate_backward_kernel, gate_up, dim, grad, grad_gate_up)
         return grad_gate_up
 
     def gate_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
