@@ -9,7 +9,7 @@ but with the forward dtype raytrm picks for the device (float32 on a CPU) and to
 
 What `pretrain.py` does for speed, this does too: on CUDA the weights' optimizer is one fused kernel (AdamW's
 `fused=True`, as adam-atan2's CUDA kernel is), and the next batch is gathered in page-locked memory while the device
-runs a step (its DataLoader's worker, pin_memory and prefetch do that), so the step waits for the device once.
+runs a step (its DataLoader's worker, pin_memory and prefetch do that).
 """
 
 from __future__ import annotations
