@@ -100,6 +100,7 @@ torch.manual_seed(0)
 # last), and widths that are no multiple of a block.
 for shape, dim in (((2 * 64, 300), 0), ((2 * 3, 4, 5), 0), ((5, 7, 2 * 96), -1), ((3, 2 * 1500), -1)):
     x = (3 * torch.randn(shape)).bfloat16()
+    assert kernels.fused_gate_available(x, dim)  # so swiglu_gate runs the operator
     ours, plain = x.clone().requires_grad_(), x.clone().requires_grad_()
     out = swiglu_gate(ours, dim)
     expected = _SwiGLUGate.apply(plain, dim)  # the CPU's bf16 formulas, rounding where the operator rounds
