@@ -275,8 +275,7 @@ class ReferenceTrainer:
     def _gather(self) -> dict[str, torch.Tensor]:
         """The next batch on the host (page-locked on CUDA)."""
         idx = self.rng.choice(len(self.data), size=self.batch_size, replace=len(self.data) < self.batch_size)
-        batch = {k: torch.from_numpy(v) for k, v in self.data.batch(idx).items()}
-        return {k: v.pin_memory() for k, v in batch.items()} if self.device.type == devices.CUDA else batch
+        return {k: devices.page_locked(torch.from_numpy(v), self.device) for k, v in self.data.batch(idx).items()}
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step as the reference takes it; returns its summed metrics."""

@@ -103,6 +103,14 @@ def collective_device(device: torch.device) -> torch.device:
     return device if collective_backend(device) == "nccl" else torch.device(CPU)
 
 
+def page_locked(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """t in page-locked memory where it is on the host and bound for CUDA, so that its copy there with
+    non_blocking=True is queued without the host waiting for the device; else t itself."""
+    import torch
+
+    return t.pin_memory() if t.device.type == CPU and torch.device(device).type == CUDA else t
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work, so host clocks measure it."""
     import torch

@@ -45,33 +45,30 @@ _INTERPRETED = interpreted()
 MAX_POSITIONS = 128
 
 
-def fused_mix_available(x: torch.Tensor) -> bool:
-    """Whether mix_positions_norm serves x [positions, columns]: no gradient is being recorded, at most
-    MAX_POSITIONS positions in half precision on CUDA (or bf16 under Triton's interpreter), and the kernel is
-    registered (`register`)."""
-    return (
-        _registered
-        and not torch.is_grad_enabled()
-        and x.shape[0] <= MAX_POSITIONS
-        and (
-            (x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16))
-            or (_INTERPRETED and x.dtype == torch.bfloat16)  # the interpreter's rounding here is bf16's
-        )
+def _runs_kernels(x: torch.Tensor) -> bool:
+    """Whether the kernels take x at all: registered (`register`), in half precision on CUDA, or in bf16 under
+    Triton's interpreter (whose rounding here is bf16's)."""
+    return _registered and (
+        (x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16))
+        or (_INTERPRETED and x.dtype == torch.bfloat16)
     )
 
 
+def fused_mix_available(x: torch.Tensor) -> bool:
+    """Whether mix_positions_norm serves x [positions, columns]: no gradient is being recorded, at most
+    MAX_POSITIONS positions, and the kernels take x (half precision on CUDA, or bf16 under Triton's interpreter,
+    once registered)."""
+    return _runs_kernels(x) and not torch.is_grad_enabled() and x.shape[0] <= MAX_POSITIONS
+
+
 def fused_gate_available(gate_up: torch.Tensor, dim: int) -> bool:
-    """Whether swiglu_gate serves gate_up split along dim: contiguous, split along its first or last dimension, in
-    half precision on CUDA (or bf16 under Triton's interpreter), with the operator registered (`register`)."""
+    """Whether swiglu_gate serves gate_up split along dim: contiguous, split along its first or last dimension, and
+    the kernels take it (half precision on CUDA, or bf16 under Triton's interpreter, once registered)."""
     return (
-        _registered
+        _runs_kernels(gate_up)
         and gate_up.is_contiguous()
         and dim % gate_up.dim() in (0, gate_up.dim() - 1)
         and gate_up.shape[dim] % 2 == 0
-        and (
-            (gate_up.device.type == "cuda" and gate_up.dtype in (torch.bfloat16, torch.float16))
-            or (_INTERPRETED and gate_up.dtype == torch.bfloat16)
-        )
     )
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from raytrm.config import ModelConfig
+from raytrm.hardware import device as devices
 from raytrm.models import kernels
 from raytrm.models.layers import (
     Attention,
@@ -107,12 +108,11 @@ class Exploration:
             2, halt_max_steps + 1, (batch_size,), generator=generator, device=where, dtype=torch.int32
         )
         min_halt_steps = torch.where(explore, minimum, 0)
-        if device is None or torch.device(device) == min_halt_steps.device:
+        if device is None:
             return cls(min_halt_steps)
-        if min_halt_steps.device.type == "cpu" and torch.device(device).type == "cuda":
-            # Copied from page-locked memory, the draws join the device's queue without the host waiting for it.
-            return cls(min_halt_steps.pin_memory().to(device, non_blocking=True))
-        return cls(min_halt_steps.to(device))
+        # From page-locked memory (on CUDA), the draws join the device's queue without the host waiting for it.
+        moved = devices.page_locked(min_halt_steps, device)
+        return cls(moved.to(device, non_blocking=moved.is_pinned()))
 
     def __getitem__(self, index: slice | torch.Tensor) -> Exploration:
         return Exploration(self.min_halt_steps[index])

@@ -174,10 +174,7 @@ class Trainer:
 
         On CUDA it lands in page-locked memory, so the next step's copy to the device is queued without a wait.
         """
-        batch = self._next_global_batch()
-        if self.device.type == devices.CUDA:
-            batch = {k: v.pin_memory() for k, v in batch.items()}
-        self._prefetched = batch
+        self._prefetched = {k: devices.page_locked(v, self.device) for k, v in self._next_global_batch().items()}
 
     # -- one optimizer step ----------------------------------------------------------------------------------------
 
