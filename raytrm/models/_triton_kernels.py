@@ -22,6 +22,20 @@ def _rounded(v, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _sigmoid(v, INTERPRETED: tl.constexpr):
+    """sigmoid(v) in fp32 from the hardware's approximate 2^x and 1/x (each within 2 ulp of fp32, far inside the
+    bf16 rounding that follows). With tl.sigmoid, whose 1 / (1 + exp(-v)) is a full division, the fused mixing ran
+    17% slower on an H200 (0.505 against 0.419 ms at Sudoku's shape), with the same error against exact products."""
+    if INTERPRETED:
+        return 1.0 / (1.0 + tl.exp(-v))
+    else:
+        e = tl.exp2(-1.4426950408889634 * v)
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
 def _operand(v, INTERPRETED: tl.constexpr):
     """v as an operand of tl.dot."""
     if INTERPRETED:
@@ -80,7 +94,7 @@ def mix_positions_norm_kernel(
         # Rounded where the plain formula rounds: the projection, silu(gate), and their product.
         gate = _rounded(tl.dot(x_operand, _operand(w_gate, INTERPRETED)), dtype, INTERPRETED)
         up = _rounded(tl.dot(x_operand, _operand(w_up, INTERPRETED)), dtype, INTERPRETED)
-        silu = _rounded(gate * tl.sigmoid(gate), dtype, INTERPRETED)
+        silu = _rounded(gate * _sigmoid(gate, INTERPRETED), dtype, INTERPRETED)
         h = _rounded(silu * up, dtype, INTERPRETED).to(dtype)
         acc = tl.dot(_operand(h, INTERPRETED), _operand(w_down, INTERPRETED), acc)
     # The residual adds in the states' dtype; the norm over positions accumulates in fp32.
