@@ -177,3 +177,112 @@ def swiglu_gate_backward_kernel(
     grad_up = _rounded(_rounded(gate * s, dtype, INTERPRETED) * g, dtype, INTERPRETED)
     tl.store(grad_gate_up_ptr + offset, grad_gate.to(dtype), mask=mask)
     tl.store(grad_gate_up_ptr + offset + up_offset, grad_up.to(dtype), mask=mask)
+
+
+#: Tokens per program of the RoPE kernels (each takes every head of one of q, k and v).
+ROPE_BLOCK_T = 16
+
+
+@triton.jit
+def rope_qkv_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    T,
+    L,
+    H,
+    table_stride,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """q and k rotated by position, v copied, from qkv [T, 3 * H * 2 * HALF] (T = batch x L tokens) into q, k, v
+    [T, H, 2 * HALF]. Program (i, part) takes BLOCK_T tokens of part 0 (q), 1 (k) or 2 (v).
+
+    The rotation, (x1 c - x2 s, x2 c + x1 s) from the first halves of the rotate-half tables (rows table_stride
+    apart), is in fp32 and rounded once, as _Rotary's.
+    """
+    part = tl.program_id(1)
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None, None]
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    d = tl.arange(0, HALF)[None, None, :]
+    mask = (t < T) & (h < H)
+    src = qkv_ptr + t * (6 * H * HALF) + (part * H + h) * (2 * HALF) + d
+    dst = t * (2 * H * HALF) + h * (2 * HALF) + d
+    x1 = tl.load(src, mask=mask)
+    x2 = tl.load(src + HALF, mask=mask)
+    if part == 2:
+        tl.store(v_ptr + dst, x1, mask=mask)
+        tl.store(v_ptr + dst + HALF, x2, mask=mask)
+    else:
+        dtype = x1.dtype
+        row = (t % L) * table_stride + d
+        c = tl.load(cos_ptr + row, mask=mask).to(tl.float32)
+        s = tl.load(sin_ptr + row, mask=mask).to(tl.float32)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        if part == 0:  # noqa: SIM108 (an if statement, as in the backward kernel)
+            out = q_ptr + dst
+        else:
+            out = k_ptr + dst
+        tl.store(out, _rounded(a * c - b * s, dtype, INTERPRETED).to(dtype), mask=mask)
+        tl.store(out + HALF, _rounded(b * c + a * s, dtype, INTERPRETED).to(dtype), mask=mask)
+
+
+@triton.jit
+def rope_qkv_backward_kernel(
+    grad_q_ptr,
+    grad_k_ptr,
+    grad_v_ptr,
+    cos_ptr,
+    sin_ptr,
+    grad_qkv_ptr,
+    T,
+    L,
+    H,
+    table_stride,
+    q_stride_b,
+    q_stride_l,
+    q_stride_h,
+    k_stride_b,
+    k_stride_l,
+    k_stride_h,
+    v_stride_b,
+    v_stride_l,
+    v_stride_h,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """grad_qkv [T, 3 * H * 2 * HALF] from the gradients of rope_qkv_kernel's q, k, v ([batch, L, H, 2 * HALF] in any
+    strides with the last one 1): q's and k's rotated back (the rotation by -angle), v's copied."""
+    part = tl.program_id(1)
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None, None]
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    d = tl.arange(0, HALF)[None, None, :]
+    mask = (t < T) & (h < H)
+    batch, position = t // L, t % L
+    dst = grad_qkv_ptr + t * (6 * H * HALF) + (part * H + h) * (2 * HALF) + d
+    if part == 0:
+        src = grad_q_ptr + batch * q_stride_b + position * q_stride_l + h * q_stride_h + d
+    elif part == 1:
+        src = grad_k_ptr + batch * k_stride_b + position * k_stride_l + h * k_stride_h + d
+    else:
+        src = grad_v_ptr + batch * v_stride_b + position * v_stride_l + h * v_stride_h + d
+    g1 = tl.load(src, mask=mask)
+    g2 = tl.load(src + HALF, mask=mask)
+    if part == 2:
+        tl.store(dst, g1, mask=mask)
+        tl.store(dst + HALF, g2, mask=mask)
+    else:
+        dtype = g1.dtype
+        row = position * table_stride + d
+        c = tl.load(cos_ptr + row, mask=mask).to(tl.float32)
+        s = tl.load(sin_ptr + row, mask=mask).to(tl.float32)
+        a, b = g1.to(tl.float32), g2.to(tl.float32)
+        tl.store(dst, _rounded(a * c + b * s, dtype, INTERPRETED).to(dtype), mask=mask)
+        tl.store(dst + HALF, _rounded(b * c - a * s, dtype, INTERPRETED).to(dtype), mask=mask)

@@ -365,18 +365,23 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
         self.causal = causal
+        kernels.register()  # the RoPE operator, where Triton is installed
         self.qkv_proj = Linear(hidden_size, 3 * hidden_size)
         self.o_proj = Linear(hidden_size, hidden_size)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         H, L = self.num_heads, x.shape[1]
-        qkv = self.qkv_proj(x).unflatten(-1, (3 * H, self.head_dim))
-        v = qkv[..., 2 * H :, :]
-        qk = qkv[..., : 2 * H, :]
-        if rope is not None:
-            # q and k share the rotation, so they are rotated in one pass.
-            qk = apply_rotary(qk, rope[0][:L, None], rope[1][:L, None])
-        q, k = qk.split(H, dim=-2)
+        qkv = self.qkv_proj(x)
+        if rope is not None and kernels.fused_rope_available(qkv, self.head_dim):
+            q, k, v = kernels.rope_qkv(qkv, rope[0], rope[1], H)
+        else:
+            qkv = qkv.unflatten(-1, (3 * H, self.head_dim))
+            v = qkv[..., 2 * H :, :]
+            qk = qkv[..., : 2 * H, :]
+            if rope is not None:
+                # q and k share the rotation, so they are rotated in one pass.
+                qk = apply_rotary(qk, rope[0][:L, None], rope[1][:L, None])
+            q, k = qk.split(H, dim=-2)
         # SDPA takes [B, heads, L, head_dim]; these transposes are views, in the strides its kernels read natively.
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.causal
