@@ -1,4 +1,4 @@
-"""The Triton kernels (raytrm.models.kernels), TRM-MLP's fused mixing and the SwiGLU gate: equal to the plain
+"""The Triton kernels (raytrm.models.kernels), TRM-MLP's fused mixing, the SwiGLU gate and RoPE: equal to the plain
 formulas within rounding.
 
 Without a GPU the kernel runs in Triton's CPU interpreter, in a subprocess (Triton reads TRITON_INTERPRET when a
@@ -28,6 +28,20 @@ def _triton_version() -> tuple[int, int]:
     import triton
 
     return tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+
+interpretable = pytest.mark.skipif(
+    not kernels.HAVE_TRITON or _triton_version() < (3, 9), reason="needs Triton 3.9 or later to interpret the kernels"
+)
+
+
+def run_interpreted(script: str) -> None:
+    """Run script in a subprocess under Triton's CPU interpreter (read when a kernel is defined); it prints OK."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("OK")
 
 
 def exact_mix(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,16 +130,9 @@ print("OK")
 """
 
 
-@needs_triton
-@pytest.mark.skipif(
-    not kernels.HAVE_TRITON or _triton_version() < (3, 9), reason="Triton before 3.9 cannot interpret it"
-)
+@interpretable
 def test_the_gate_operator_equals_the_plain_formulas_forward_and_backward_in_tritons_interpreter():
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(GATE_SCRIPT)], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.startswith("OK")
+    run_interpreted(GATE_SCRIPT)
 
 
 def test_the_rope_operator_serves_contiguous_projections_but_compiled_no_grad_rounds(monkeypatch):
@@ -198,16 +205,9 @@ print("OK")
 """
 
 
-@needs_triton
-@pytest.mark.skipif(
-    not kernels.HAVE_TRITON or _triton_version() < (3, 9), reason="Triton before 3.9 cannot interpret it"
-)
+@interpretable
 def test_the_rope_operator_equals_the_plain_rotation_forward_and_backward_in_tritons_interpreter():
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(ROPE_SCRIPT)], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.startswith("OK")
+    run_interpreted(ROPE_SCRIPT)
 
 
 INTERPRETER_SCRIPT = """
@@ -261,19 +261,10 @@ print("OK", fused_error.item(), plain_error.item())
 """
 
 
-@needs_triton
-@pytest.mark.skipif(
-    not kernels.HAVE_TRITON or _triton_version() < (3, 9), reason="Triton before 3.9 cannot interpret it"
-)
+@interpretable
 @pytest.mark.slow
 def test_the_kernel_equals_the_plain_formulas_within_a_rounding_in_tritons_interpreter():
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(INTERPRETER_SCRIPT)], env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.startswith("OK")
+    run_interpreted(INTERPRETER_SCRIPT)
 
 
 @needs_cuda
