@@ -336,6 +336,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(transformer.format_rows(tf_rows))
         results = transformer.as_json(tf_rows)
     else:
+        from raytrm.bench import breakdown
+
+        breakdowns: list[breakdown.Breakdown] | None = [] if args.breakdown else None
         with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
             trm_rows = bench_trm(
                 args.variants,
@@ -348,9 +351,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 dtype=args.dtype,
                 reference=Path(args.reference) if args.reference else None,
                 compile_mode=args.compile,
+                breakdowns=breakdowns,
             )
         print(format_rows(trm_rows))
         results = as_json(trm_rows)
+        if breakdowns is not None:
+            print(breakdown.format_breakdowns(breakdowns))
+            results = {"rows": results, "breakdowns": breakdown.as_json(breakdowns)}
     if args.json:
         hw = detect()
         doc = {
@@ -533,6 +540,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("off", "on", "cudagraphs"),
         help="trm and transformer: compile raytrm's step (training.compile; cudagraphs adds CUDA graphs) and the "
         "reference's model (torch.compile, as TRM's pretrain.py and nanoGPT's compile=True do); default: both eager",
+    )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="trm, on a CPU: profile one step of each row and show where its time goes (products by shape and "
+        "their rate, attention, the rest) and the ratio raytrm would reach were its time outside products zero",
     )
     p.add_argument(
         "--no-reference",

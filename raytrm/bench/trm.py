@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from raytrm import config as cfg
+from raytrm.bench import breakdown as bd
 from raytrm.bench.reference import ReferenceTrainer, load_reference_classes
 from raytrm.bench.timing import compiled_as_run, measure_side_by_side
 from raytrm.data.build import build_dataset
@@ -80,21 +81,39 @@ def reference_experiment(
 
 
 def _measure_pair(
-    experiment: cfg.ExperimentConfig, data_dir: Path, reference: Path | None, repeats: int
+    experiment: cfg.ExperimentConfig,
+    data_dir: Path,
+    reference: Path | None,
+    repeats: int,
+    breakdowns: list[bd.Breakdown] | None = None,
 ) -> list[TrmRow]:
-    """raytrm's row at one config, and the reference's beside it when a checkout is given."""
+    """raytrm's row at one config, and the reference's beside it when a checkout is given; with `breakdowns`, one
+    profiled step of each row is appended there (raytrm.bench.breakdown)."""
     trainer = Trainer(experiment)
     steps: list[tuple[str, Callable[[], object]]] = [("raytrm", trainer.train_step)]
     ref = None
-    if reference is not None:
-        # Compiled exactly where raytrm's compile plan compiles (not on a CPU without a C++ compiler, say).
-        ref = ReferenceTrainer(
-            reference, experiment, data_dir, trainer.device, trainer.dtype, compile_model=bool(trainer.compiled)
-        )
-        steps.append(("reference", ref.train_step))
     batch, model = experiment.training.global_batch_size, experiment.model
     try:
+        if breakdowns is not None:
+            bd.cpu_only(trainer.device)
+        if reference is not None:
+            # Compiled exactly where raytrm's compile plan compiles (not on a CPU without a C++ compiler, say).
+            ref = ReferenceTrainer(
+                reference, experiment, data_dir, trainer.device, trainer.dtype, compile_model=bool(trainer.compiled)
+            )
+            steps.append(("reference", ref.train_step))
         rates = measure_side_by_side([step for _, step in steps], trainer.device, trainer.dtype, repeats, batch)
+        if breakdowns is not None:
+            profiled = [
+                bd.profile_step(
+                    step,
+                    bd.Breakdown(model.variant, model.hidden_size, impl, r["step_seconds"], r["matmul_gflops"]),
+                )
+                for (impl, step), r in zip(steps, rates, strict=True)
+            ]
+            if len(profiled) == 2:
+                profiled[0].bound = bd.bound(*profiled)
+            breakdowns.extend(profiled)
     finally:
         trainer.close()
         if ref is not None:
@@ -132,10 +151,12 @@ def bench_trm(
     dtype: str = "auto",
     reference: Path | None = None,
     compile_mode: str = "off",
+    breakdowns: list[bd.Breakdown] | None = None,
 ) -> list[TrmRow]:
     """Median step time and FLOP rate of each (variant, hidden), with the matmul ceiling measured alongside.
 
     reference: a checkout of the TRM reference; each raytrm row then gets the reference's row at the same config.
+    breakdowns: where to append one profiled step of each row (CPU only; raytrm.bench.breakdown).
     """
     if reference is not None:
         load_reference_classes(reference)  # a wrong directory fails now, before any model is timed
@@ -146,7 +167,7 @@ def bench_trm(
     for variant in variants:
         for hidden in hiddens:
             experiment = reference_experiment(variant, hidden, batch, threads, device, data_dir, dtype, compile_mode)
-            rows.extend(_measure_pair(experiment, data_dir, reference, repeats))
+            rows.extend(_measure_pair(experiment, data_dir, reference, repeats, breakdowns))
     return rows
 
 

@@ -1,0 +1,133 @@
+"""Where a CPU training step's time goes: matrix products by shape, attention, and the rest.
+
+`raytrm bench trm --breakdown` profiles one step of each timed row (raytrm's and the reference's) with torch's
+profiler and splits its self time three ways. The products' rates, shape by shape, beside the matmul ceiling say
+whether the products themselves could run faster; the products' share of raytrm's step, beside the reference's whole
+step, bounds the ratio that any fusing of the rest could reach (`bound`: raytrm / reference were raytrm's time outside
+its products zero).
+
+CPU only: there each op's self time is the time its thread spent in it. On a GPU, time belongs to kernels that ops
+launch asynchronously, and a compiled step's kernels are inductor's; the README's GPU analysis used traces.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+#: The ops that are matrix products, and where their operands are among the op's inputs.
+PRODUCT_OPERANDS = {"aten::mm": (0, 1), "aten::bmm": (0, 1), "aten::addmm": (1, 2), "aten::baddbmm": (1, 2)}
+#: How many of the rest a breakdown names.
+NAMED_OTHERS = 6
+
+
+@dataclass
+class Product:
+    """Every call of one matrix-product shape in a step: [batch x] [m, k] @ [k, n]."""
+
+    m: int
+    k: int
+    n: int
+    batch: int
+    calls: int
+    seconds: float
+
+    @property
+    def gflops(self) -> float:
+        return 2 * self.batch * self.m * self.k * self.n * self.calls / self.seconds / 1e9 if self.seconds else 0.0
+
+
+@dataclass
+class Breakdown:
+    """One profiled step of one row: self seconds of its products, its attention and everything else."""
+
+    variant: str
+    hidden: int
+    impl: str
+    step_seconds: float  # the row's median step, unprofiled
+    matmul_gflops: float  # the row's measured ceiling
+    profiled_seconds: float = 0.0
+    products_seconds: float = 0.0
+    attention_seconds: float = 0.0
+    others: list[tuple[str, float]] = field(default_factory=list)  # the largest of the rest, by name
+    products: list[Product] = field(default_factory=list)  # by shape, the slowest first
+    #: On a raytrm row beside the reference: raytrm / reference were raytrm's time outside its products zero.
+    bound: float | None = None
+
+    @property
+    def products_share(self) -> float:
+        return self.products_seconds / self.profiled_seconds if self.profiled_seconds else 0.0
+
+
+def _operands(key: str, shapes: list[list[int]]) -> tuple[int, int, int, int]:
+    """(batch, m, k, n) of a product op from its recorded input shapes."""
+    a, b = (shapes[i] for i in PRODUCT_OPERANDS[key])
+    return (a[0] if len(a) == 3 else 1), a[-2], a[-1], b[-1]
+
+
+def profile_step(step: Callable[[], object], into: Breakdown) -> Breakdown:
+    """Profile one call of a warm step and fill `into` with where its time went."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    rest: Counter[str] = Counter()
+    for event in prof.key_averages(group_by_input_shape=True):
+        seconds = event.self_cpu_time_total / 1e6
+        into.profiled_seconds += seconds
+        if event.key in PRODUCT_OPERANDS:
+            into.products_seconds += seconds
+            batch, m, k, n = _operands(event.key, event.input_shapes)
+            into.products.append(Product(m, k, n, batch, event.count, seconds))
+        elif "scaled_dot_product" in event.key or "attention" in event.key:
+            into.attention_seconds += seconds
+        else:
+            rest[event.key] += seconds
+    into.others = rest.most_common(NAMED_OTHERS)
+    into.products.sort(key=lambda p: -p.seconds)
+    return into
+
+
+def format_breakdowns(rows: list[Breakdown], shapes: int = 8) -> str:
+    lines = []
+    for r in rows:
+        total = r.profiled_seconds or 1.0
+        lines.append(
+            f"{r.variant} hidden {r.hidden}, {r.impl}: {r.step_seconds:.3f} s a step, {r.profiled_seconds:.3f} s "
+            f"profiled; matmul ceiling {r.matmul_gflops:.1f} GFLOP/s"
+        )
+        lines.append(f"  products  {r.products_seconds:8.3f} s {100 * r.products_seconds / total:5.1f}%")
+        lines.append(f"  attention {r.attention_seconds:8.3f} s {100 * r.attention_seconds / total:5.1f}%")
+        other = total - r.products_seconds - r.attention_seconds
+        named = ", ".join(f"{name} {seconds:.3f}" for name, seconds in r.others)
+        lines.append(f"  other     {other:8.3f} s {100 * other / total:5.1f}%  ({named})")
+        for p in r.products[:shapes]:
+            shape = f"{p.batch} x " if p.batch > 1 else ""
+            shape += f"[{p.m}, {p.k}] @ [{p.k}, {p.n}]"
+            lines.append(
+                f"    {shape:<32} {p.calls:>4} calls {p.seconds:7.3f} s {p.gflops:7.1f} GFLOP/s "
+                f"({p.gflops / r.matmul_gflops:.2f} of the ceiling)"
+            )
+        if r.bound is not None:
+            lines.append(f"  raytrm / reference were raytrm's time outside its products zero: {r.bound:.2f}")
+    return "\n".join(lines)
+
+
+def as_json(rows: list[Breakdown]) -> list[dict]:
+    return [{**asdict(r), "products_share": r.products_share} for r in rows]
+
+
+def bound(raytrm: Breakdown, reference: Breakdown) -> float:
+    """raytrm / reference in samples/s were raytrm's step its products alone (their share of the profiled step,
+    applied to the unprofiled median)."""
+    return reference.step_seconds / (raytrm.step_seconds * raytrm.products_share)
+
+
+def cpu_only(device: torch.device) -> None:
+    """Refuse a breakdown off the CPU, before anything is timed."""
+    from raytrm.errors import UserError
+
+    if device.type != "cpu":
+        raise UserError(f"--breakdown profiles CPU steps only, not {device.type}; fix: drop --breakdown or --device")
