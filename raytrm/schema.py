@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import os
 import tempfile
 import types
@@ -84,7 +85,7 @@ def _type_name(tp: Any) -> str:
         return "a mapping"
     names = {
         int: "an integer",
-        float: "a number",
+        float: "a finite number",
         str: "a string",
         bool: "true or false",
         list: "a list",
@@ -114,7 +115,8 @@ def _coerce(value: Any, tp: Any, source: str, path: str) -> Any:
     elif tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        # YAML's .inf and .nan are floats, but no field means them: an infinite rate or budget is a typo.
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         value = float(value) if ok else value
     else:
         ok = isinstance(value, tp)

@@ -77,6 +77,8 @@ BAD_FILES = {
     ),
     "wrong type": ("model:\n  hidden_size: big\n", ["model.hidden_size", "got 'big'", "expected an integer"]),
     "out of range": ("training:\n  lr: -0.1\n", ["training.lr", "got -0.1", "a value > 0"]),
+    "infinite": ("training:\n  lr: .inf\n", ["training.lr", "got inf", "expected a finite number"]),
+    "not a number": ("training:\n  weight_decay: .nan\n", ["training.weight_decay", "got nan", "a finite number"]),
     "bad choice": ("model:\n  variant: transformerish\n", ["model.variant", "one of attention, mlp_t"]),
     "bool for int": ("training:\n  steps: true\n", ["training.steps", "got True", "an integer or null"]),
     "inconsistent batch": (
