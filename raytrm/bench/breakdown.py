@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from raytrm.errors import UserError
+
 #: The ops that are matrix products, and where their operands are among the op's inputs.
 PRODUCT_OPERANDS = {"aten::mm": (0, 1), "aten::bmm": (0, 1), "aten::addmm": (1, 2), "aten::baddbmm": (1, 2)}
 #: How many of the rest a breakdown names.
@@ -127,7 +129,5 @@ def bound(raytrm: Breakdown, reference: Breakdown) -> float:
 
 def cpu_only(device: torch.device) -> None:
     """Refuse a breakdown off the CPU, before anything is timed."""
-    from raytrm.errors import UserError
-
     if device.type != "cpu":
         raise UserError(f"--breakdown profiles CPU steps only, not {device.type}; fix: drop --breakdown or --device")
