@@ -39,8 +39,8 @@ def matmul_flops_per_sec(
 
 def measure_steps(
     steps: list[Callable[[], object]], device: torch.device, dtype: torch.dtype, repeats: int
-) -> tuple[list[int], list[float], float]:
-    """FLOPs of one call of each step, the median seconds of each, and the median matmul rate beside them.
+) -> tuple[list[int], list[list[float]], float]:
+    """FLOPs of one call of each step, each step's seconds round by round, and the median matmul rate beside them.
 
     Each step runs once (allocations, state set-up), once under the FLOP counter and once more to warm up; then
     one sample of each step and of the ceiling is taken per round, so a change in the machine's load reaches every
@@ -58,7 +58,7 @@ def measure_steps(
         for step, times in zip(steps, samples, strict=True):
             times.append(median_seconds(step, device, warmup=0, repeats=1))
         rates.append(matmul_flops_per_sec(device, n=size, dtype=dtype, repeats=3))
-    return flops, [statistics.median(times) for times in samples], statistics.median(rates)
+    return flops, samples, statistics.median(rates)
 
 
 def measure_side_by_side(
@@ -67,14 +67,18 @@ def measure_side_by_side(
     """The rate fields of each step (step_rates), timed in alternation with the matmul ceiling (measure_steps).
 
     With two steps, the first is measured beside the second (a reference): its `ratio` is its samples/s over the
-    second's, which is also the ratio of tokens/s at one sequence length; None on every other row.
+    second's (also the ratio of tokens/s at one sequence length), the median of the rounds' ratios, each of two
+    steps timed back to back; None on every other row. A shared machine's slow spells last tens of seconds (README,
+    Performance): a spell over a few rounds moves each row's median, which may then catch it in one row and not the
+    other, while a round's two steps share it.
     """
-    flops, seconds, ceiling = measure_steps(steps, device, dtype, repeats)
+    flops, samples, ceiling = measure_steps(steps, device, dtype, repeats)
     rates: list[dict[str, Any]] = [
-        {**step_rates(batch, f, s, ceiling), "ratio": None} for f, s in zip(flops, seconds, strict=True)
+        {**step_rates(batch, f, statistics.median(times), ceiling), "ratio": None}
+        for f, times in zip(flops, samples, strict=True)
     ]
     if len(rates) == 2:
-        rates[0]["ratio"] = seconds[1] / seconds[0]
+        rates[0]["ratio"] = statistics.median(ref / own for own, ref in zip(*samples, strict=True))
     return rates
 
 
