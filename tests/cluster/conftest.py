@@ -112,12 +112,29 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+def remove_stale_hosts() -> list[str]:
+    """Delete the empty namespaces of hosts whose test process is gone (a run killed before its teardown), so they
+    neither pile up nor clash with a new run's names; returns their names."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    removed = []
+    for ns in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        tag = ns[3:]
+        if ns[:3] not in ("rta", "rtb") or not tag.isdigit() or Path(f"/proc/{tag}").exists():
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout
+        if not pids.strip():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+            removed.append(ns)
+    return removed
+
+
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
     """Hosts a and b joined by a veth pair, each with its own address; removed at the end whatever happened."""
     reason = cannot_make_hosts()
     if reason:
         pytest.skip(f"two namespace hosts cannot be made here: {reason}")
+    remove_stale_hosts()
     tag = f"{os.getpid() % 100000}"
     net = os.getpid() % 200 + 20
     names = {"a": f"rta{tag}", "b": f"rtb{tag}"}
