@@ -14,7 +14,14 @@ from pathlib import Path
 import numpy as np
 
 from raytrm.data import maze, sudoku
-from raytrm.data.puzzle_format import PuzzleDataset, PuzzleMetadata, rebuild_hint, write_identifiers, write_split
+from raytrm.data.puzzle_format import (
+    PuzzleDataset,
+    PuzzleMetadata,
+    read_metadata,
+    rebuild_hint,
+    write_identifiers,
+    write_split,
+)
 from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -197,14 +204,26 @@ def _swap_in(tmp: Path, out: Path, overwrite: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def open_dataset(path: str | Path, *, check_values: bool = True) -> tuple[PuzzleDataset, PuzzleDataset]:
-    """The train and test splits of a dataset in the reference layout, checked to agree on tokens and length."""
+def _require_dir(path: str | Path) -> Path:
     root = Path(path)
     if not root.is_dir():
         raise UserError(
             f"{root}: no such directory, so it is not a puzzle dataset; fix: build one with"
             f" `raytrm data sudoku --out {root}` (or `raytrm data maze --out {root}`)"
         )
+    return root
+
+
+def require_dataset(path: str | Path) -> None:
+    """Raise open_dataset's one-line error if path is not a puzzle dataset, reading only its splits' metadata."""
+    root = _require_dir(path)
+    for split in ("train", "test"):
+        read_metadata(root / split)
+
+
+def open_dataset(path: str | Path, *, check_values: bool = True) -> tuple[PuzzleDataset, PuzzleDataset]:
+    """The train and test splits of a dataset in the reference layout, checked to agree on tokens and length."""
+    root = _require_dir(path)
     train = PuzzleDataset(root, "train", check_values=check_values)
     test = PuzzleDataset(root, "test", check_values=check_values)
     for name in ("seq_len", "vocab_size", "pad_id", "ignore_label_id", "num_puzzle_identifiers"):

@@ -270,13 +270,19 @@ def cache_location(data: DataConfig, labelled: bool) -> tuple[Path, str]:
     return cache_dir() / "text" / f"{slug}-{'classify' if labelled else 'lm'}-{digest}", source
 
 
+def require_source(path: str | Path) -> Path:
+    """The text source a data path names, or build_cache's one-line error if it names nothing."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise UserError(f"{root}: no such file or directory; fix: check --data (data.path)")
+    return root
+
+
 def build_cache(data: DataConfig, labelled: bool) -> Path:
     """The cache directory for a text config, built (or rebuilt, when its sources changed) first if needed."""
     directory, source = cache_location(data, labelled)
     if data.path:
-        root = Path(data.path).expanduser()
-        if not root.exists():
-            raise UserError(f"{root}: no such file or directory; fix: check --data (data.path)")
+        root = require_source(data.path)
         files = _listing(root)
     else:
         root, files = stdlib_dir(), _stdlib_files()

@@ -81,6 +81,20 @@ def fill_from_tier(training: dict[str, Any], settings: dict[str, Any]) -> dict[s
     return training
 
 
+def require_data_path(experiment: cfg.ExperimentConfig) -> None:
+    """The data openers' own one-line error for a data path that names no dataset (checked before a run starts)."""
+    if not experiment.data.path:
+        return  # generated (puzzles) or the standard library's sources (text)
+    if experiment.model.name == "transformer":
+        from raytrm.data.text_cache import require_source
+
+        require_source(experiment.data.path)
+    else:
+        from raytrm.data.build import require_dataset
+
+        require_dataset(Path(experiment.data.path).expanduser())
+
+
 def _with_tier_defaults(data: dict[str, Any]) -> dict[str, Any]:
     """Fill threads, loader workers and limits from this machine's tier where the config leaves them unset."""
     from raytrm.hardware.probe import detect
@@ -133,14 +147,20 @@ def resolve_experiment(
             base["training"].update(steps=None, time_budget_s=None)
         source = profile_file
     elif config_file:
-        base = tier_fill(cfg.to_dict(cfg.load(cfg.ExperimentConfig, config_file)))
+        base = cfg.to_dict(cfg.load(cfg.ExperimentConfig, config_file))
         source = config_file
     else:
         transformer = overrides.get("model", {}).get("name") == "transformer"
         default = DEFAULT_TRANSFORMER_EXPERIMENT if transformer else DEFAULT_EXPERIMENT
-        base = tier_fill(copy.deepcopy(default))
+        base = copy.deepcopy(default)
         source = "the embedded default"
     merged = _merge(base, overrides)
-    experiment = cfg.from_dict(cfg.ExperimentConfig, merged, source if not overrides else f"{source} + flags")
+    source = source if not overrides else f"{source} + flags"
+    experiment = cfg.from_dict(cfg.ExperimentConfig, merged, source)
+    # Bad input is one line: the config and its data path are checked before the machine's tier is looked up
+    # (and logged). The tier fills only what the config and flags leave unset.
+    require_data_path(experiment)
+    if not resume and not profile_file:
+        experiment = cfg.from_dict(cfg.ExperimentConfig, tier_fill(merged), source)
     run_dir = Path(out) if out else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
     return experiment, run_dir

@@ -83,8 +83,7 @@ def test_missing_file_exits_2(tmp_path, capsys):
 
 
 def test_installed_command_lists_its_commands():
-    exe = shutil.which("raytrm") or shutil.which("raytrm", path=str(__import__("pathlib").Path(sys.executable).parent))
-    assert exe, "the raytrm console script is not installed"
+    exe = _raytrm()
     out = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True).stdout
     for command in ("probe", "validate"):
         assert command in out
@@ -92,3 +91,30 @@ def test_installed_command_lists_its_commands():
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr
     assert bad.stderr.strip() == "raytrm: error: /nonexistent/tiers.yaml: no such file; check the path"
+
+
+def _raytrm() -> str:
+    exe = shutil.which("raytrm") or shutil.which("raytrm", path=str(__import__("pathlib").Path(sys.executable).parent))
+    assert exe, "the raytrm console script is not installed"
+    return exe
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data", "{tmp}/none"], "{tmp}/none: no such directory, so it is not a puzzle dataset; fix: build one"),
+        (["--data", "{tmp}"], "{tmp}: no train/dataset.json, so it is not a puzzle dataset; fix: build one"),
+        (["--model", "transformer", "--data", "{tmp}/none.txt"], "{tmp}/none.txt: no such file or directory; fix:"),
+    ],
+)
+def test_train_on_missing_data_is_one_line_before_anything_else(tmp_path, args, message):
+    """Nothing about the machine (its tier, threads, device) is logged before a bad data path's error."""
+    args = [a.format(tmp=tmp_path) for a in args]
+    run = subprocess.run(
+        [_raytrm(), "train", "--steps", "1", "--out", str(tmp_path / "run"), *args], capture_output=True, text=True
+    )
+    assert run.returncode == 2
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith(f"raytrm: error: {message.format(tmp=tmp_path)}")
+    assert not (tmp_path / "run").exists()
