@@ -90,12 +90,22 @@ Gather = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor
 def sparse_signsgd_(
     table: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor, lr: float, weight_decay: float
 ) -> None:
-    """table[r] = table[r] * (1 - lr * wd) - lr * sign(sum of the grads of r), for each distinct id r in ids."""
-    unique, inverse = ids.unique(return_inverse=True)
-    summed = grads.new_zeros(unique.shape[0], grads.shape[1]).index_add_(0, inverse, grads)
-    rows = table[unique]
-    rows.mul_(1 - lr * weight_decay).add_(summed.sign(), alpha=-lr)
-    table[unique] = rows.to(table.dtype)
+    """table[r] = table[r] * (1 - lr * wd) - lr * sign(sum of the grads of r), for each distinct id r in ids.
+
+    Every tensor here has ids' length, so on a GPU the host never waits for the device (torch.unique would: the
+    number of distinct ids is data). The ids are sorted (stably: each row's grads are summed in their given order,
+    as unique's inverse would sum them), each run of one id is a group, and every entry of a group computes its
+    row's new value; a repeated id writes the same value more than once.
+    """
+    order = ids.argsort(stable=True)
+    sorted_ids = ids[order]
+    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=starts[1:])
+    group = starts.cumsum(0) - 1
+    summed = torch.zeros_like(grads).index_add_(0, group, grads[order])
+    rows = table[sorted_ids]
+    rows.mul_(1 - lr * weight_decay).add_(summed[group].sign(), alpha=-lr)
+    table[sorted_ids] = rows.to(table.dtype)
 
 
 class SignSGD(torch.optim.Optimizer):

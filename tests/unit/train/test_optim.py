@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from raytrm.models.layers import SparseEmbedding
-from raytrm.train.optim import AdamATan2, ModelEMA, SignSGD
+from raytrm.train.optim import AdamATan2, ModelEMA, SignSGD, sparse_signsgd_
 
 
 def test_adam_atan2_matches_the_scalar_recurrence():
@@ -149,3 +149,33 @@ def test_ema_warmup_ramps_the_decay():
     again = ModelEMA(model, decay=0.5)
     again.load_state_dict(state)
     assert (again.decay, again.warmup, again.updates) == (0.999, True, 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_signsgd_equals_the_update_over_distinct_rows(dtype):
+    """Bit for bit the formula over torch.unique's distinct ids, repeated ids in any order, grads summed in order."""
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(50, 8, generator=gen)
+    ids = torch.randint(0, 50, (300,), generator=gen)
+    grads = torch.randn(300, 8, generator=gen).to(dtype)
+    grads[ids == ids[0]] = 0.0  # a row whose grads sum to zero keeps only its decay
+    expected = table.clone()
+    unique, inverse = ids.unique(return_inverse=True)
+    summed = grads.new_zeros(len(unique), 8).index_add_(0, inverse, grads)
+    expected[unique] = expected[unique] * (1 - 0.1 * 0.5) - 0.1 * summed.sign().float()
+    sparse_signsgd_(table, ids, grads, lr=0.1, weight_decay=0.5)
+    assert torch.equal(table, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the lent GPU machine)")
+def test_sparse_signsgd_never_waits_for_the_gpu():
+    table = torch.zeros(1000, 16, device="cuda")
+    ids = torch.randint(0, 1000, (768,), device="cuda")
+    grads = torch.randn(768, 16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sparse_signsgd_(table, ids, grads, lr=0.1, weight_decay=0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert table.abs().sum().item() > 0
