@@ -121,8 +121,9 @@ def read_metadata(split_dir: str | Path) -> PuzzleMetadata:
                 f" fix: pass its parent {root.parent}"
             )
         raise UserError(
-            f"{root}: no {split_dir.name}/dataset.json, so it is not a puzzle dataset; fix: build one with"
-            f" `raytrm data sudoku --out {root}` (or `raytrm data maze --out {root}`)"
+            # root exists, and `raytrm data` refuses an existing --out: so a new directory inside it.
+            f"{root}: no {split_dir.name}/dataset.json, so it is not a puzzle dataset; fix: build one into a new"
+            f" directory and pass that, e.g. `raytrm data sudoku --out {root / 'sudoku'}`"
         )
     try:
         data = json.loads(path.read_text())

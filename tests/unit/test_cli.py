@@ -103,7 +103,11 @@ def _raytrm() -> str:
     "args, message",
     [
         (["--data", "{tmp}/none"], "{tmp}/none: no such directory, so it is not a puzzle dataset; fix: build one"),
-        (["--data", "{tmp}"], "{tmp}: no train/dataset.json, so it is not a puzzle dataset; fix: build one"),
+        (
+            ["--data", "{tmp}"],
+            "{tmp}: no train/dataset.json, so it is not a puzzle dataset; fix: build one into a new directory and"
+            " pass that, e.g. `raytrm data sudoku --out {tmp}/sudoku`",
+        ),
         (["--model", "transformer", "--data", "{tmp}/none.txt"], "{tmp}/none.txt: no such file or directory; fix:"),
     ],
 )
