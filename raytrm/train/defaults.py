@@ -120,7 +120,6 @@ def resolve_experiment(
     tier_defaults=False leaves the machine settings a config does not give unset: distributed workers fill them
     from their own machines' tiers.
     """
-    tier_fill = _with_tier_defaults if tier_defaults else (lambda data: data)
     if config_file and profile_file:
         raise UserError("give --config or --profile, not both")
     if resume:
@@ -158,9 +157,11 @@ def resolve_experiment(
     source = source if not overrides else f"{source} + flags"
     experiment = cfg.from_dict(cfg.ExperimentConfig, merged, source)
     # Bad input is one line: the config and its data path are checked before the machine's tier is looked up
-    # (and logged). The tier fills only what the config and flags leave unset.
-    require_data_path(experiment)
-    if not resume and not profile_file:
-        experiment = cfg.from_dict(cfg.ExperimentConfig, tier_fill(merged), source)
+    # (and logged). The tier fills only what the config and flags leave unset. A distributed run (no tier here)
+    # checks its data on every node instead, where the workers will read it.
+    if tier_defaults:
+        require_data_path(experiment)
+    if tier_defaults and not resume and not profile_file:
+        experiment = cfg.from_dict(cfg.ExperimentConfig, _with_tier_defaults(merged), source)
     run_dir = Path(out) if out else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
     return experiment, run_dir

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from raytrm import config as cfg
 from raytrm.cli import main
+from raytrm.errors import UserError
 from raytrm.train import checkpoint as ckpt
+from raytrm.train.defaults import resolve_experiment
 
 
 def one_error_line(capsys) -> str:
@@ -127,3 +130,14 @@ def test_distributed_flags_refused_before_any_worker_starts(tiny, tmp_path, caps
     assert main(["train", "--profile", str(profile), "--profile", str(other), "--workers", "2", "--steps", "1"]) == 2
     assert "profiles describe different experiments (training.lr differ)" in one_error_line(capsys)
     assert not any((tmp_path / name).exists() for name in "ab")
+
+
+def test_a_data_path_is_checked_here_only_when_training_here(tmp_path):
+    """A missing dataset is refused before anything runs on this machine; a distributed run's data lives on its
+    nodes (each checks it there), so resolving it here leaves the path alone."""
+    args = {"config_file": None, "profile_file": None, "out": None, "resume": False}
+    overrides = {"data": {"path": str(tmp_path / "none")}}
+    with pytest.raises(UserError, match="none: no such directory, so it is not a puzzle dataset"):
+        resolve_experiment(**args, overrides=overrides)
+    experiment, _ = resolve_experiment(**args, overrides=overrides, tier_defaults=False)
+    assert experiment.data.path == str(tmp_path / "none") and experiment.training.threads is None
