@@ -251,6 +251,11 @@ class SparseEmbedding(nn.Module):
     def clear_grad(self) -> None:
         self._pending.clear()
 
+    def adopt_pending(self, other: SparseEmbedding) -> None:
+        """Take over the rows another embedding on the same table gathered (a replica's), after this one's own."""
+        self._pending.extend(other._pending)
+        other._pending.clear()
+
 
 class RotaryEmbedding(nn.Module):
     """RoPE tables (cos, sin) for positions [0, max_positions), in fp32, in the rotate-half layout."""

@@ -44,7 +44,9 @@ class Task(Protocol):
     def begin_step(self, batch: Batch, global_batch: int, part: slice) -> Any: ...
     #: A micro-batch's loss and metric sums, as the device computed them: scalars (0-dim tensors) or plain numbers
     #: known on the host. The Trainer adds them up on the device and reads them once a step (Trainer._read).
-    def micro_step(self, batch: Batch, part: slice, step: Any) -> tuple[Scalar, dict[str, Scalar]]: ...
+    def micro_step(
+        self, batch: Batch, part: slice, step: Any, model: nn.Module | None = None
+    ) -> tuple[Scalar, dict[str, Scalar]]: ...
     def rates(self, totals: dict[str, float], global_batch: int) -> dict[str, float | None]: ...
     def snapshot(self) -> Any: ...
     def restore(self, saved: Any) -> None: ...
@@ -119,10 +121,13 @@ class TRMTask:
         self._global_batch = global_batch
         return exploration
 
-    def micro_step(self, batch: Batch, part: slice, step: Exploration) -> tuple[Scalar, dict[str, Scalar]]:
+    def micro_step(
+        self, batch: Batch, part: slice, step: Exploration, model: nn.Module | None = None
+    ) -> tuple[Scalar, dict[str, Scalar]]:
+        """Forward and backward of the slots `part`, on model (the task's, or a replica sharing its weights)."""
         assert self.carry is not None
         micro = {k: v[part] for k, v in batch.items()}
-        carry, outputs = self.model(self.carry[part], micro, step[part])
+        carry, outputs = (model or self.model)(self.carry[part], micro, step[part])
         loss, metrics = act_loss(outputs, carry, global_batch_size=self._global_batch, compute_dtype=self.loss_dtype)
         loss.backward()
         self.carry.assign_(part, carry)
@@ -243,9 +248,11 @@ class TransformerTask:
         """The loss divisor: the global batch's tokens (lm) or documents (classify)."""
         return global_batch * (self.tokens_per_sample or 1)
 
-    def micro_step(self, batch: Batch, part: slice, divisor: int) -> tuple[Scalar, dict[str, Scalar]]:
+    def micro_step(
+        self, batch: Batch, part: slice, divisor: int, model: nn.Module | None = None
+    ) -> tuple[Scalar, dict[str, Scalar]]:
         labels = batch["labels"][part]
-        logits = self.model(batch["inputs"][part])
+        logits = (model or self.model)(batch["inputs"][part])
         # Cross-entropy in fp32 whatever the forward dtype; summed, then divided by the global count.
         total = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="sum")
         loss = total / divisor

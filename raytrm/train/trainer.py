@@ -30,6 +30,7 @@ from raytrm.distributed.shares import shard, split
 from raytrm.distributed.sync import GradientSync, LocalSync, OverlappedAllReduce
 from raytrm.hardware import device as devices
 from raytrm.models.trm import Carry
+from raytrm.train import threaded
 from raytrm.train.compile import compile_regions, plan_compile
 from raytrm.train.memory import cut
 from raytrm.train.metrics import ResourceSampler
@@ -123,6 +124,15 @@ class Trainer:
         self._prefetched: dict[str, torch.Tensor] | None = None  # the next global batch, gathered (see _prefetch)
         self._sample_bytes = 0  # input bytes of one sample, known from the first step
         self.resources = ResourceSampler()
+        threads = self.threads["threads"]
+        #: On a CPU with several threads, micro-batches run side by side, one share of the slots per thread.
+        self._threaded = (
+            threaded.ThreadedMicroBatches(self.model, threads)
+            if threaded.available(self.device, threads, bool(self.compiled))
+            else None
+        )
+        if self._threaded is not None:
+            logger.info("micro-batches: one share of the slots per thread, %d threads side by side", threads)
 
     @property
     def carry(self) -> Carry | None:
@@ -287,11 +297,17 @@ class Trainer:
         self.model.train()
         totals: dict[str, Scalar] = {}
         loss_sum: Scalar = 0.0
-        parts = self.slices()
-        for i, part in enumerate(parts):
-            if reducer is not None and i == len(parts) - 1:
-                reducer.arm()
-            loss, metrics = self.task.micro_step(batch, part, step)
+        if self._threaded is not None and reducer is None:
+            groups = threaded.plan(self.local_batch, self.micro_batch, self._threaded.threads)
+            results = self._threaded.run(groups, lambda model, part: self.task.micro_step(batch, part, step, model))
+        else:
+            results = []
+            parts = self.slices()
+            for i, part in enumerate(parts):
+                if reducer is not None and i == len(parts) - 1:
+                    reducer.arm()
+                results.append(self.task.micro_step(batch, part, step))
+        for loss, metrics in results:
             loss_sum += loss
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
@@ -387,6 +403,8 @@ class Trainer:
         if self._reducer is not None:
             self._reducer.close()
             self._reducer = None
+        if self._threaded is not None:
+            self._threaded.close()
 
     # -- state -----------------------------------------------------------------------------------------------------
 

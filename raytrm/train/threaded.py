@@ -1,0 +1,144 @@
+"""Micro-batches on a CPU, side by side: each thread runs its own micro-batches whole, with one intra-op thread.
+
+PyTorch runs each operation of a step on all threads in turn: a product splits its output one way, the SiLU after
+it another, so every operation reads what another core wrote, and the threads meet at a barrier between
+operations (TRM's small mixing operations, a few hundred microseconds each, then run 2-4x slower in some processes
+than alone). Here the step's slots are split into one contiguous share per thread; a thread runs the forward and
+backward of its share's micro-batches, one after another, on a replica of the model whose parameters share the
+model's storage, so its data stays in its own core's cache and nothing waits for another thread until the end.
+
+The gradient is the same sum, in a fixed order: each replica accumulates its own micro-batches in order, then the
+replicas' gradients are added to the model's in thread order (and the sparse embedding's rows handed over in that
+order), so a run repeats bit for bit. Peak memory is unchanged: the threads' micro-batches together are no larger
+than the configured micro-batch.
+
+It needs OpenMP as ATen's parallel backend and MKL's BLAS, where one thread's `torch.set_num_threads(1)` is that
+thread's alone; elsewhere (and on a GPU, compiled, or with one thread) micro-batches run one after another.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from raytrm.models.layers import SparseEmbedding
+from raytrm.train.memory import cut
+
+T = TypeVar("T")
+
+
+def available(device: torch.device, threads: int, compiled: bool) -> bool:
+    """Whether micro-batches can run one per thread here."""
+    return (
+        device.type == "cpu"
+        and threads > 1
+        and not compiled
+        and torch.backends.openmp.is_available()
+        and torch.backends.mkl.is_available()
+    )
+
+
+def plan(local_batch: int, micro_batch: int, threads: int) -> list[list[slice]]:
+    """Each thread's micro-batches, as slices of the local slots: contiguous shares as even as possible (the larger
+    first, as `cut` makes them), each cut
+    into micro-batches of at most micro_batch // threads (at least 1), so the threads' micro-batches together fit
+    in one configured micro-batch. Threads past the number of slots get none."""
+    threads = max(1, min(threads, local_batch))
+    per_thread = max(1, micro_batch // threads)
+    base, extra = divmod(local_batch, threads)
+    shares = itertools.pairwise(itertools.accumulate([base + 1] * extra + [base] * (threads - extra), initial=0))
+    groups = []
+    for start, stop in shares:
+        bounds = itertools.accumulate(cut(stop - start, per_thread), initial=start)
+        groups.append([slice(a, b) for a, b in itertools.pairwise(bounds)])
+    return groups
+
+
+def _replica(model: nn.Module) -> nn.Module:
+    """A copy of model whose parameters are new leaves on the model's storage and whose buffers are the model's."""
+    memo: dict[int, object] = {
+        id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in model.parameters()
+    }
+    memo.update({id(b): b for b in model.buffers()})
+    replica = copy.deepcopy(model, memo)
+    for module in replica.modules():
+        if isinstance(module, SparseEmbedding):
+            module.clear_grad()  # rows gathered by the model are the model's to hand to its optimizer
+    return replica
+
+
+def _shares_storage(model: nn.Module, replica: nn.Module) -> bool:
+    pairs = zip(model.parameters(), replica.parameters(), strict=True)
+    return all(p.data_ptr() == r.data_ptr() and p.shape == r.shape and p.dtype == r.dtype for p, r in pairs)
+
+
+class ThreadedMicroBatches:
+    """Runs a step's micro-batches one share per thread (see the module's notes) and gathers their gradients."""
+
+    def __init__(self, model: nn.Module, threads: int) -> None:
+        self.model, self.threads = model, threads
+        self._replicas: list[nn.Module] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    def models(self, count: int) -> list[nn.Module]:
+        """The model and count - 1 replicas, made again if the model's parameters moved to new storage."""
+        if self._replicas and not all(_shares_storage(self.model, r) for r in self._replicas):
+            self._replicas = []
+        while len(self._replicas) < count - 1:
+            self._replicas.append(_replica(self.model))
+        for replica in self._replicas:
+            replica.train(self.model.training)
+        return [self.model, *self._replicas[: count - 1]]
+
+    def run(self, groups: list[list[slice]], micro_step: Callable[[nn.Module, slice], T]) -> list[T]:
+        """micro_step(model, part) for every part, group g on thread g with model g; results in part order.
+
+        Afterwards the model holds the gradient of every part (see gather); the first error of any thread is raised
+        once all threads have stopped.
+        """
+        models = self.models(len(groups))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="raytrm-micro", initializer=_one_thread)
+        futures = [self._pool.submit(_run_group, micro_step, m, g) for m, g in zip(models, groups, strict=True)]
+        errors = [f.exception() for f in futures]
+        self.gather(models[1:])
+        for error in errors:
+            if error is not None:
+                raise error
+        return [result for f in futures for result in f.result()]
+
+    def gather(self, replicas: list[nn.Module]) -> None:
+        """Add the replicas' gradients to the model's, in order, and hand their sparse rows over; theirs are reset."""
+        for replica in replicas:
+            with torch.no_grad():
+                for p, r in zip(self.model.parameters(), replica.parameters(), strict=True):
+                    if r.grad is None:
+                        continue
+                    if p.grad is None:
+                        p.grad = r.grad
+                    else:
+                        p.grad.add_(r.grad)
+                    r.grad = None
+            for mine, theirs in zip(self.model.modules(), replica.modules(), strict=True):
+                if isinstance(mine, SparseEmbedding):
+                    mine.adopt_pending(theirs)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._replicas = []
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _run_group(micro_step: Callable[[nn.Module, slice], T], model: nn.Module, parts: list[slice]) -> list[T]:
+    return [micro_step(model, part) for part in parts]

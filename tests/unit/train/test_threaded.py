@@ -1,0 +1,119 @@
+"""Micro-batches side by side on a CPU, one share of the slots per thread: the same step as one after another."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from raytrm.train import threaded
+from raytrm.train.trainer import Trainer
+
+needs_per_thread_counts = pytest.mark.skipif(
+    not threaded.available(torch.device("cpu"), 2, compiled=False), reason="needs OpenMP and MKL (per-thread counts)"
+)
+
+
+def test_the_plan_gives_each_thread_a_contiguous_share_cut_to_fit_one_micro_batch():
+    assert threaded.plan(16, 16, 2) == [[slice(0, 8)], [slice(8, 16)]]
+    # Micro-batches of 8 on 2 threads: 4 slots each at a time, so 8 in flight.
+    assert threaded.plan(16, 8, 2) == [[slice(0, 4), slice(4, 8)], [slice(8, 12), slice(12, 16)]]
+    # Uneven: shares differ by at most one slot, and every slot is run once, in order.
+    flat = [part for group in threaded.plan(11, 12, 3) for part in group]
+    assert [(p.start, p.stop) for p in flat] == [(0, 4), (4, 8), (8, 11)]
+    # 3 slots a thread at a time fit in a micro-batch of 11: shares of 4 are run as 2 + 2.
+    flat = [part for group in threaded.plan(11, 11, 3) for part in group]
+    assert [(p.start, p.stop) for p in flat] == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 11)]
+    # More threads than slots: a thread per slot; a micro-batch under the thread count still runs a slot a thread.
+    assert threaded.plan(2, 2, 4) == [[slice(0, 1)], [slice(1, 2)]]
+    assert threaded.plan(8, 1, 2) == [[slice(i, i + 1) for i in range(4)], [slice(i, i + 1) for i in range(4, 8)]]
+
+
+def test_it_runs_only_where_a_threads_count_is_its_own():
+    cpu = torch.device("cpu")
+    assert not threaded.available(cpu, 1, compiled=False)
+    assert not threaded.available(cpu, 4, compiled=True)
+    assert not threaded.available(torch.device("meta"), 4, compiled=False)
+
+
+def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
+    state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    state.update({f"carry.{k}": v.clone() for k, v in trainer.carry.to_dict().items()})
+    return state
+
+
+@needs_per_thread_counts
+def test_side_by_side_is_the_sequential_step_bit_for_bit(tiny):
+    """Three threads with a share of 11 slots each against micro-batches of 11 one after another on one thread: the
+    same micro-batches, the same kernels, the gradients summed in the same order ((a + b) + c), so the same bits."""
+    side = Trainer(tiny(training={"global_batch_size": 33, "threads": 3}))
+    assert side._threaded is not None
+    plain = Trainer(tiny(training={"global_batch_size": 33, "threads": 1, "grad_accum_steps": 3}))
+    assert plain._threaded is None and [(p.start, p.stop) for p in plain.slices()] == [(0, 11), (11, 22), (22, 33)]
+    try:
+        for _ in range(3):  # refilled slots, the sparse embedding and the EMA included
+            a, b = side.train_step(), plain.train_step()
+            assert (a.loss, a.metrics) == (b.loss, b.metrics)
+        one, other = snapshot(side), snapshot(plain)
+        assert one.keys() == other.keys()
+        for key in one:
+            assert torch.equal(one[key], other[key]), key
+        assert all(p.grad is None for r in side._threaded._replicas for p in r.parameters())
+    finally:
+        side.close()
+        plain.close()
+
+
+class _Doubler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w * x).sum()
+
+
+def test_replicas_share_the_weights_and_follow_them_to_new_storage():
+    model = _Doubler()
+    runner = threaded.ThreadedMicroBatches(model, threads=2)
+    try:
+        _, replica = runner.models(2)
+        assert replica.w is not model.w and replica.w.data_ptr() == model.w.data_ptr()
+        with torch.no_grad():
+            model.w.mul_(2)  # an optimizer step, in place
+        assert torch.equal(replica.w, torch.full((3,), 2.0))
+        model.w.data = torch.zeros(3)  # new storage: the replica is made again
+        _, again = runner.models(2)
+        assert again is not replica and again.w.data_ptr() == model.w.data_ptr()
+    finally:
+        runner.close()
+
+
+def test_gradients_add_up_in_thread_order_and_an_error_stops_the_step():
+    model = _Doubler()
+    runner = threaded.ThreadedMicroBatches(model, threads=2)
+    inputs = torch.arange(12.0).view(4, 3)
+
+    def micro_step(m: nn.Module, part: slice) -> float:
+        loss = m(inputs[part])
+        loss.backward()
+        return float(loss.detach())
+
+    try:
+        losses = runner.run(threaded.plan(4, 4, 2), micro_step)
+        assert losses == [float(inputs[0:2].sum()), float(inputs[2:4].sum())]
+        assert torch.equal(model.w.grad, inputs.sum(0))
+
+        def failing(m: nn.Module, part: slice) -> float:
+            if part.start >= 2:
+                raise ValueError("no such slot")
+            return micro_step(m, part)
+
+        model.w.grad = None
+        with pytest.raises(ValueError, match="no such slot"):
+            runner.run(threaded.plan(4, 4, 2), failing)
+        # The thread that succeeded left its gradient on the model; the replicas hold none.
+        assert torch.equal(model.w.grad, inputs[0:2].sum(0))
+        assert all(p.grad is None for r in runner._replicas for p in r.parameters())
+    finally:
+        runner.close()
