@@ -13,7 +13,8 @@ order), so a run repeats bit for bit. Peak memory is unchanged: the threads' mic
 than the configured micro-batch.
 
 It needs OpenMP as ATen's parallel backend and MKL's BLAS, where one thread's `torch.set_num_threads(1)` is that
-thread's alone; elsewhere (and on a GPU, compiled, or with one thread) micro-batches run one after another.
+thread's alone; elsewhere (on a GPU, compiled, with one thread, or under a FLOP counter or profiler, which see one
+thread's operations) micro-batches run one after another.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ def available(device: torch.device, threads: int, compiled: bool) -> bool:
         and torch.backends.openmp.is_available()
         and torch.backends.mkl.is_available()
     )
+
+
+def observed() -> bool:
+    """Whether something on this thread watches the operations: a dispatch mode (torch's FLOP counter) or the
+    profiler. Either sees only its own thread's, so micro-batches then run there, one after another."""
+    return torch._C._len_torch_dispatch_stack() > 0 or torch._C._autograd._profiler_enabled()
 
 
 def plan(local_batch: int, micro_batch: int, threads: int) -> list[list[slice]]:

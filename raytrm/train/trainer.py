@@ -297,7 +297,7 @@ class Trainer:
         self.model.train()
         totals: dict[str, Scalar] = {}
         loss_sum: Scalar = 0.0
-        if self._threaded is not None and reducer is None:
+        if self._threaded is not None and reducer is None and not threaded.observed():
             groups = threaded.plan(self.local_batch, self.micro_batch, self._threaded.threads)
             results = self._threaded.run(groups, lambda model, part: self.task.micro_step(batch, part, step, model))
         else:

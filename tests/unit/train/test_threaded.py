@@ -64,6 +64,25 @@ def test_side_by_side_is_the_sequential_step_bit_for_bit(tiny):
         plain.close()
 
 
+@needs_per_thread_counts
+def test_a_flop_counter_sees_the_whole_step(tiny):
+    """Dispatch modes are per thread: under one, the micro-batches run on the calling thread, one after another."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    side = Trainer(tiny(training={"global_batch_size": 8, "threads": 2}))
+    plain = Trainer(tiny(training={"global_batch_size": 8, "threads": 1, "grad_accum_steps": 2}))
+    try:
+        counts = []
+        for trainer in (side, plain):
+            with FlopCounterMode(display=False) as counter:
+                trainer.train_step()
+            counts.append(counter.get_total_flops())
+        assert counts[0] == counts[1] > 0
+    finally:
+        side.close()
+        plain.close()
+
+
 class _Doubler(nn.Module):
     def __init__(self) -> None:
         super().__init__()
