@@ -34,11 +34,10 @@ from raytrm.train.memory import cut
 T = TypeVar("T")
 
 
-def available(device: torch.device, threads: int, compiled: bool) -> bool:
-    """Whether micro-batches can run one per thread here."""
+def available(device: torch.device, compiled: bool) -> bool:
+    """Whether micro-batches can run one per thread here (given several threads, which may change: see run)."""
     return (
         device.type == "cpu"
-        and threads > 1
         and not compiled
         and torch.backends.openmp.is_available()
         and torch.backends.mkl.is_available()
@@ -53,9 +52,8 @@ def observed() -> bool:
 
 def plan(local_batch: int, micro_batch: int, threads: int) -> list[list[slice]]:
     """Each thread's micro-batches, as slices of the local slots: contiguous shares as even as possible (the larger
-    first, as `cut` makes them), each cut
-    into micro-batches of at most micro_batch // threads (at least 1), so the threads' micro-batches together fit
-    in one configured micro-batch. Threads past the number of slots get none."""
+    first, as `cut` makes them), each cut into micro-batches of at most micro_batch // threads (at least 1), so the
+    threads' micro-batches together fit in one configured micro-batch. Threads past the number of slots get none."""
     threads = max(1, min(threads, local_batch))
     per_thread = max(1, micro_batch // threads)
     base, extra = divmod(local_batch, threads)
@@ -88,10 +86,11 @@ def _shares_storage(model: nn.Module, replica: nn.Module) -> bool:
 class ThreadedMicroBatches:
     """Runs a step's micro-batches one share per thread (see the module's notes) and gathers their gradients."""
 
-    def __init__(self, model: nn.Module, threads: int) -> None:
-        self.model, self.threads = model, threads
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
         self._replicas: list[nn.Module] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
 
     def models(self, count: int) -> list[nn.Module]:
         """The model and count - 1 replicas, made again if the model's parameters moved to new storage."""
@@ -110,8 +109,11 @@ class ThreadedMicroBatches:
         once all threads have stopped.
         """
         models = self.models(len(groups))
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="raytrm-micro", initializer=_one_thread)
+        if self._pool is None or self._pool_size < len(groups):  # more threads than before: a larger pool
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool = ThreadPoolExecutor(len(groups), thread_name_prefix="raytrm-micro", initializer=_one_thread)
+            self._pool_size = len(groups)
         futures = [self._pool.submit(_run_group, micro_step, m, g) for m, g in zip(models, groups, strict=True)]
         errors = [f.exception() for f in futures]
         self.gather(models[1:])
@@ -139,7 +141,7 @@ class ThreadedMicroBatches:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-            self._pool = None
+            self._pool, self._pool_size = None, 0
         self._replicas = []
 
 

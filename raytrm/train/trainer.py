@@ -124,15 +124,15 @@ class Trainer:
         self._prefetched: dict[str, torch.Tensor] | None = None  # the next global batch, gathered (see _prefetch)
         self._sample_bytes = 0  # input bytes of one sample, known from the first step
         self.resources = ResourceSampler()
-        threads = self.threads["threads"]
-        #: On a CPU with several threads, micro-batches run side by side, one share of the slots per thread.
+        #: On a CPU with several threads, micro-batches run side by side, one share of the slots per thread (as many
+        #: threads as torch has at each step: the thermal guard may halve them).
         self._threaded = (
-            threaded.ThreadedMicroBatches(self.model, threads)
-            if threaded.available(self.device, threads, bool(self.compiled))
-            else None
+            threaded.ThreadedMicroBatches(self.model) if threaded.available(self.device, bool(self.compiled)) else None
         )
-        if self._threaded is not None:
-            logger.info("micro-batches: one share of the slots per thread, %d threads side by side", threads)
+        if self._threaded is not None and self.threads["threads"] > 1:
+            logger.info(
+                "micro-batches: one share of the slots per thread, %d threads side by side", self.threads["threads"]
+            )
 
     @property
     def carry(self) -> Carry | None:
@@ -297,8 +297,9 @@ class Trainer:
         self.model.train()
         totals: dict[str, Scalar] = {}
         loss_sum: Scalar = 0.0
-        if self._threaded is not None and reducer is None and not threaded.observed():
-            groups = threaded.plan(self.local_batch, self.micro_batch, self._threaded.threads)
+        threads = torch.get_num_threads()
+        if self._threaded is not None and threads > 1 and reducer is None and not threaded.observed():
+            groups = threaded.plan(self.local_batch, self.micro_batch, threads)
             results = self._threaded.run(groups, lambda model, part: self.task.micro_step(batch, part, step, model))
         else:
             results = []
