@@ -35,7 +35,7 @@ T = TypeVar("T")
 
 
 def available(device: torch.device, compiled: bool) -> bool:
-    """Whether micro-batches can run one per thread here (given several threads, which may change: see run)."""
+    """Whether micro-batches can run one per thread here; the Trainer also needs torch to have several threads then."""
     return (
         device.type == "cpu"
         and not compiled
