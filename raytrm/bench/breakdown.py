@@ -8,11 +8,16 @@ its products zero).
 
 CPU only: there each op's self time is the time its thread spent in it. On a GPU, time belongs to kernels that ops
 launch asynchronously, and a compiled step's kernels are inductor's; the README's GPU analysis used traces.
+
+raytrm's CPU step runs its micro-batches side by side, one per thread (raytrm.train.threaded), so the profiler
+watches every thread: the worker threads' self times, each thread on its own core, are divided by their number to
+give seconds of the step, and their products' rates are the threads' together, as the ceiling is. Where torch's
+profiler cannot watch other threads, the step runs its micro-batches one after another, as under any profiler.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -53,6 +58,8 @@ class Breakdown:
     step_seconds: float  # the row's median step, unprofiled
     matmul_gflops: float  # the row's measured ceiling
     profiled_seconds: float = 0.0
+    #: Threads that ran the step's products side by side (1: one after another, each product on torch's threads).
+    product_threads: int = 1
     products_seconds: float = 0.0
     attention_seconds: float = 0.0
     others: list[tuple[str, float]] = field(default_factory=list)  # the largest of the rest, by name
@@ -71,22 +78,41 @@ def _operands(key: str, shapes: list[list[int]]) -> tuple[int, int, int, int]:
     return (a[0] if len(a) == 3 else 1), a[-2], a[-1], b[-1]
 
 
+def _watching_all_threads() -> dict:
+    """profile()'s arguments for a profiler that records every thread's operations, where this torch has one."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+    except (ImportError, TypeError):
+        return {}
+
+
 def profile_step(step: Callable[[], object], into: Breakdown) -> Breakdown:
     """Profile one call of a warm step and fill `into` with where its time went."""
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, **_watching_all_threads()) as prof:
         step()
+    events = [e for e in prof.events() if e.self_cpu_time_total > 0]
+    workers = {e.thread for e in events if e.key in PRODUCT_OPERANDS}
+    # Threads running products side by side share the step's time; the calling thread's own operations (the
+    # optimizer's, on all of torch's threads) count as they are.
+    into.product_threads = max(1, len(workers))
+    shares = {thread: 1 / len(workers) for thread in workers} if len(workers) > 1 else {}
+    products: defaultdict[tuple[int, int, int, int], list[float]] = defaultdict(lambda: [0, 0.0])
     rest: Counter[str] = Counter()
-    for event in prof.key_averages(group_by_input_shape=True):
-        seconds = event.self_cpu_time_total / 1e6
+    for event in events:
+        seconds = event.self_cpu_time_total / 1e6 * shares.get(event.thread, 1.0)
         into.profiled_seconds += seconds
         if event.key in PRODUCT_OPERANDS:
             into.products_seconds += seconds
-            batch, m, k, n = _operands(event.key, event.input_shapes)
-            into.products.append(Product(m, k, n, batch, event.count, seconds))
+            shape = products[_operands(event.key, event.input_shapes)]
+            shape[0] += 1
+            shape[1] += seconds
         elif "scaled_dot_product" in event.key or "attention" in event.key:
             into.attention_seconds += seconds
         else:
             rest[event.key] += seconds
+    into.products = [Product(m, k, n, batch, int(c), t) for (batch, m, k, n), (c, t) in products.items()]
     into.others = rest.most_common(NAMED_OTHERS)
     into.products.sort(key=lambda p: -p.seconds)
     return into
@@ -99,6 +125,7 @@ def format_breakdowns(rows: list[Breakdown], shapes: int = 8) -> str:
         lines.append(
             f"{r.variant} hidden {r.hidden}, {r.impl}: {r.step_seconds:.3f} s a step, {r.profiled_seconds:.3f} s "
             f"profiled; matmul ceiling {r.matmul_gflops:.1f} GFLOP/s"
+            + (f"; micro-batches side by side on {r.product_threads} threads" if r.product_threads > 1 else "")
         )
         lines.append(f"  products  {r.products_seconds:8.3f} s {100 * r.products_seconds / total:5.1f}%")
         lines.append(f"  attention {r.attention_seconds:8.3f} s {100 * r.attention_seconds / total:5.1f}%")

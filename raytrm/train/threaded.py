@@ -13,8 +13,9 @@ order), so a run repeats bit for bit. Peak memory is unchanged: the threads' mic
 than the configured micro-batch.
 
 It needs OpenMP as ATen's parallel backend and MKL's BLAS, where one thread's `torch.set_num_threads(1)` is that
-thread's alone; elsewhere (on a GPU, compiled, with one thread, or under a FLOP counter or profiler, which see one
-thread's operations) micro-batches run one after another.
+thread's alone; elsewhere (on a GPU, compiled, with one thread, or under a FLOP counter or a profiler that sees one
+thread's operations) micro-batches run one after another. A profiler watching all threads (`raytrm bench trm
+--breakdown`) sees them side by side.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def available(device: torch.device, compiled: bool) -> bool:
 
 def observed() -> bool:
     """Whether something on this thread watches the operations: a dispatch mode (torch's FLOP counter) or the
-    profiler. Either sees only its own thread's, so micro-batches then run there, one after another."""
+    profiler. Either sees only its own thread's, so micro-batches then run there, one after another. (A profiler
+    started to watch all threads is not enabled on this thread: it needs no fallback.)"""
     return torch._C._len_torch_dispatch_stack() > 0 or torch._C._autograd._profiler_enabled()
 
 

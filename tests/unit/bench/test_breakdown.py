@@ -4,6 +4,7 @@ import torch
 from raytrm.bench import breakdown as bd
 from raytrm.bench.trm import bench_trm
 from raytrm.errors import UserError
+from raytrm.train import threaded
 
 
 def test_a_breakdown_finds_every_product_the_flop_counter_counts(tmp_path):
@@ -20,6 +21,9 @@ def test_a_breakdown_finds_every_product_the_flop_counter_counts(tmp_path):
     assert len(step.others) == bd.NAMED_OTHERS
     text = bd.format_breakdowns(breakdowns)
     assert "mlp_t hidden 32, raytrm" in text and "of the ceiling" in text
+    if threaded.available(torch.device("cpu"), compiled=False) and bd._watching_all_threads():
+        # The step profiled as it runs: two threads' micro-batches side by side, every product of both found above.
+        assert step.product_threads == 2 and "micro-batches side by side on 2 threads" in text
 
 
 def test_the_bound_is_the_reference_step_over_raytrms_products_alone():
