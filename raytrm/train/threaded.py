@@ -9,8 +9,8 @@ model's storage, so its data stays in its own core's cache and nothing waits for
 
 The gradient is the same sum, in a fixed order: each replica accumulates its own micro-batches in order, then the
 replicas' gradients are added to the model's in thread order (and the sparse embedding's rows handed over in that
-order), so a run repeats bit for bit. Peak memory is unchanged: the threads' micro-batches together are no larger
-than the configured micro-batch.
+order), so a run repeats bit for bit. Peak memory is unchanged: the threads' micro-batches in flight together are
+the configured micro-batch (the memory governor's), never more.
 
 It needs OpenMP as ATen's parallel backend and MKL's BLAS, where one thread's `torch.set_num_threads(1)` is that
 thread's alone; elsewhere (on a GPU, compiled, with one thread, or under a FLOP counter or a profiler that sees one
@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from raytrm.models.layers import SparseEmbedding
-from raytrm.train.memory import cut
 
 T = TypeVar("T")
 
@@ -52,17 +51,30 @@ def observed() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0 or torch._C._autograd._profiler_enabled()
 
 
+def side_by_side(local_batch: int, micro_batch: int, threads: int) -> int:
+    """How many threads run micro-batches side by side: no more than the slots, nor than one micro-batch's slots (a
+    micro-batch of 1, say under memory pressure, runs one slot at a time on all of torch's threads)."""
+    return max(1, min(threads, local_batch, micro_batch))
+
+
+def _even(total: int, parts: int) -> list[int]:
+    """total split into `parts` sizes as even as possible, the larger first."""
+    base, extra = divmod(total, parts)
+    return [base + 1] * extra + [base] * (parts - extra)
+
+
 def plan(local_batch: int, micro_batch: int, threads: int) -> list[list[slice]]:
-    """Each thread's micro-batches, as slices of the local slots: contiguous shares as even as possible (the larger
-    first, as `cut` makes them), each cut into micro-batches of at most micro_batch // threads (at least 1), so the
-    threads' micro-batches together fit in one configured micro-batch. Threads past the number of slots get none."""
-    threads = max(1, min(threads, local_batch))
-    per_thread = max(1, micro_batch // threads)
-    base, extra = divmod(local_batch, threads)
-    shares = itertools.pairwise(itertools.accumulate([base + 1] * extra + [base] * (threads - extra), initial=0))
+    """Each thread's micro-batches, as slices of the local slots. The slots are dealt out in contiguous shares, and
+    the micro-batch's slots among the threads, both as evenly as possible (the larger first); each thread runs its
+    share in micro-batches of its part (the last may be smaller). A share is never smaller than its part, so the
+    micro-batches in flight at once add up to the configured micro-batch, never more: the peak the memory model
+    fits against the micro-batch is the peak side by side."""
+    threads = side_by_side(local_batch, micro_batch, threads)
+    starts = itertools.accumulate(_even(local_batch, threads), initial=0)
     groups = []
-    for start, stop in shares:
-        bounds = itertools.accumulate(cut(stop - start, per_thread), initial=start)
+    for (start, stop), part in zip(itertools.pairwise(starts), _even(micro_batch, threads), strict=True):
+        whole, rest = divmod(stop - start, part)
+        bounds = itertools.accumulate([part] * whole + ([rest] if rest else []), initial=start)
         groups.append([slice(a, b) for a, b in itertools.pairwise(bounds)])
     return groups
 

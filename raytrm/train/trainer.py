@@ -297,7 +297,7 @@ class Trainer:
         self.model.train()
         totals: dict[str, Scalar] = {}
         loss_sum: Scalar = 0.0
-        threads = torch.get_num_threads()
+        threads = threaded.side_by_side(self.local_batch, self.micro_batch, torch.get_num_threads())
         if self._threaded is not None and threads > 1 and reducer is None and not threaded.observed():
             groups = threaded.plan(self.local_batch, self.micro_batch, threads)
             results = self._threaded.run(groups, lambda model, part: self.task.micro_step(batch, part, step, model))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -21,12 +23,34 @@ def test_the_plan_gives_each_thread_a_contiguous_share_cut_to_fit_one_micro_batc
     # Uneven: shares differ by at most one slot, and every slot is run once, in order.
     flat = [part for group in threaded.plan(11, 12, 3) for part in group]
     assert [(p.start, p.stop) for p in flat] == [(0, 4), (4, 8), (8, 11)]
-    # 3 slots a thread at a time fit in a micro-batch of 11: shares of 4 are run as 2 + 2.
-    flat = [part for group in threaded.plan(11, 11, 3) for part in group]
-    assert [(p.start, p.stop) for p in flat] == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 11)]
-    # More threads than slots: a thread per slot; a micro-batch under the thread count still runs a slot a thread.
+    # A micro-batch of 5 on 2 threads is dealt out as 3 + 2: thread 0 runs its 8 slots as 3 + 3 + 2, thread 1 as 2s.
+    assert threaded.plan(16, 5, 2) == [
+        [slice(0, 3), slice(3, 6), slice(6, 8)],
+        [slice(8, 10), slice(10, 12), slice(12, 14), slice(14, 16)],
+    ]
+    # No more threads than slots, nor than the micro-batch's slots: a micro-batch of 1 runs one slot at a time.
     assert threaded.plan(2, 2, 4) == [[slice(0, 1)], [slice(1, 2)]]
-    assert threaded.plan(8, 1, 2) == [[slice(i, i + 1) for i in range(4)], [slice(i, i + 1) for i in range(4, 8)]]
+    assert threaded.plan(8, 1, 2) == [[slice(i, i + 1) for i in range(8)]]
+    assert threaded.plan(8, 3, 4) == [
+        [slice(0, 1), slice(1, 2), slice(2, 3)],
+        [slice(3, 4), slice(4, 5), slice(5, 6)],
+        [slice(6, 7), slice(7, 8)],
+    ]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4, 8])
+def test_the_micro_batches_in_flight_add_up_to_the_micro_batch_and_never_more(threads):
+    """What the memory model fits against the micro-batch is what runs at once: the threads' largest micro-batches,
+    side by side, are the micro-batch itself, for every split of any batch."""
+    for local in range(1, 25):
+        for micro in range(1, local + 1):
+            groups = threaded.plan(local, micro, threads)
+            assert len(groups) == threaded.side_by_side(local, micro, threads) == min(threads, micro)
+            assert [(p.start, p.stop) for g in groups for p in g] == list(
+                itertools.pairwise([0, *itertools.accumulate(p.stop - p.start for g in groups for p in g)])
+            )
+            assert groups[-1][-1].stop == local
+            assert sum(max(p.stop - p.start for p in g) for g in groups) == micro
 
 
 def test_it_runs_only_where_a_threads_count_is_its_own():
@@ -64,6 +88,22 @@ def test_side_by_side_is_the_sequential_step_bit_for_bit(tiny):
     finally:
         side.close()
         plain.close()
+
+
+@needs_per_thread_counts
+def test_a_micro_batch_of_one_runs_on_all_threads_one_slot_at_a_time(tiny):
+    """Where the memory governor allows one slot at a time, two threads side by side would hold two: the step runs
+    its micro-batches one after another instead, each on both of torch's threads."""
+    trainer = Trainer(tiny(training={"global_batch_size": 4, "threads": 2, "grad_accum_steps": 4}))
+    try:
+        torch.set_num_threads(2)
+        trainer.train_step()
+        assert trainer._threaded is not None and trainer._threaded._pool is None
+        trainer.set_micro_batch(2)  # as the memory governor does when it grows back
+        trainer.train_step()
+        assert trainer._threaded._pool is not None and len(trainer._threaded._replicas) == 1
+    finally:
+        trainer.close()
 
 
 @needs_per_thread_counts
