@@ -64,6 +64,10 @@ def cut(global_batch: int, micro_batch: int) -> list[int]:
     """Micro-batch sizes that add up to the global batch, each at most micro_batch, as even as possible."""
     if micro_batch < 1 or global_batch < 1:
         raise ValueError(f"batch sizes must be >= 1, got global {global_batch}, micro {micro_batch}")
-    pieces = -(-global_batch // min(micro_batch, global_batch))
-    base, extra = divmod(global_batch, pieces)
-    return [base + 1] * extra + [base] * (pieces - extra)
+    return even(global_batch, -(-global_batch // min(micro_batch, global_batch)))
+
+
+def even(total: int, parts: int) -> list[int]:
+    """total split into `parts` sizes as even as possible, the larger first."""
+    base, extra = divmod(total, parts)
+    return [base + 1] * extra + [base] * (parts - extra)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from raytrm.models.layers import SparseEmbedding
+from raytrm.train.memory import even
 
 T = TypeVar("T")
 
@@ -57,12 +58,6 @@ def side_by_side(local_batch: int, micro_batch: int, threads: int) -> int:
     return max(1, min(threads, local_batch, micro_batch))
 
 
-def _even(total: int, parts: int) -> list[int]:
-    """total split into `parts` sizes as even as possible, the larger first."""
-    base, extra = divmod(total, parts)
-    return [base + 1] * extra + [base] * (parts - extra)
-
-
 def plan(local_batch: int, micro_batch: int, threads: int) -> list[list[slice]]:
     """Each thread's micro-batches, as slices of the local slots. The slots are dealt out in contiguous shares, and
     the micro-batch's slots among the threads, both as evenly as possible (the larger first); each thread runs its
@@ -70,9 +65,9 @@ def plan(local_batch: int, micro_batch: int, threads: int) -> list[list[slice]]:
     micro-batches in flight at once add up to the configured micro-batch, never more: the peak the memory model
     fits against the micro-batch is the peak side by side."""
     threads = side_by_side(local_batch, micro_batch, threads)
-    starts = itertools.accumulate(_even(local_batch, threads), initial=0)
+    starts = itertools.accumulate(even(local_batch, threads), initial=0)
     groups = []
-    for (start, stop), part in zip(itertools.pairwise(starts), _even(micro_batch, threads), strict=True):
+    for (start, stop), part in zip(itertools.pairwise(starts), even(micro_batch, threads), strict=True):
         whole, rest = divmod(stop - start, part)
         bounds = itertools.accumulate([part] * whole + ([rest] if rest else []), initial=start)
         groups.append([slice(a, b) for a, b in itertools.pairwise(bounds)])
