@@ -97,11 +97,11 @@ def profile_step(step: Callable[[], object], into: Breakdown) -> Breakdown:
     # Threads running products side by side share the step's time; the calling thread's own operations (the
     # optimizer's, on all of torch's threads) count as they are.
     into.product_threads = max(1, len(workers))
-    shares = {thread: 1 / len(workers) for thread in workers} if len(workers) > 1 else {}
+    share = 1 / into.product_threads
     products: defaultdict[tuple[int, int, int, int], list[float]] = defaultdict(lambda: [0, 0.0])
     rest: Counter[str] = Counter()
     for event in events:
-        seconds = event.self_cpu_time_total / 1e6 * shares.get(event.thread, 1.0)
+        seconds = event.self_cpu_time_total / 1e6 * (share if event.thread in workers else 1.0)
         into.profiled_seconds += seconds
         if event.key in PRODUCT_OPERANDS:
             into.products_seconds += seconds
