@@ -21,6 +21,14 @@ and v copied, and its backward writes qkv's gradient in one pass. Under torch.co
 kernels forward and one backward, 0.39 ms a call at TRM-attention's Sudoku shape on an H200, against 0.23 ms, to the
 same bits. In a compiled graph's no-grad rounds inductor fuses the rotation into one pass that leaves v in place
 (0.08 ms), so those keep the formula.
+
+TRM-attention's whole attention is an operator too (`rope_attention`), for sequences of at most 128 positions
+(Sudoku's 97): one program takes a head's whole sequence on chip, rotating q and k as it loads them from the fused
+projection, and writes the output where the output projection reads it; its backward recomputes the probabilities
+from the forward's log-sum-exp and writes qkv's gradient, q's and k's rotated back, in one pass. It replaces RoPE's
+two passes and cuDNN's attention in the back-propagated round and in eager no-grad rounds. In a compiled graph's
+no-grad rounds inductor's rotation and cuDNN's forward are as fast (0.19-0.21 ms against 0.21-0.23 ms a call on
+an H200), so those keep them.
 """
 
 from __future__ import annotations
@@ -82,6 +90,25 @@ def fused_rope_available(qkv: torch.Tensor, head_dim: int) -> bool:
     )
 
 
+def fused_attention_available(qkv: torch.Tensor, head_dim: int, causal: bool) -> bool:
+    """Whether rope_attention serves qkv [B, L, 3 * heads * head_dim]: self-attention over the whole sequence (not
+    causal) of at most MAX_POSITIONS positions, contiguous, head_dim twice a power of two of at least 16 (a product's
+    depth), and the kernels take it (half precision on CUDA, or bf16 under Triton's interpreter, once registered);
+    except in a compiled graph's no-grad rounds, where inductor's rotation and cuDNN's attention are as fast (the
+    module's docstring)."""
+    half = head_dim // 2
+    return (
+        _runs_kernels(qkv)
+        and not causal
+        and qkv.dim() == 3
+        and qkv.shape[1] <= MAX_POSITIONS
+        and qkv.is_contiguous()
+        and half >= 16
+        and half & (half - 1) == 0
+        and (torch.is_grad_enabled() or not torch.compiler.is_compiling())
+    )
+
+
 def fused_gate_available(gate_up: torch.Tensor, dim: int) -> bool:
     """Whether swiglu_gate serves gate_up split along dim: contiguous, split along its first or last dimension, and
     the kernels take it (half precision on CUDA, or bf16 under Triton's interpreter, once registered)."""
@@ -132,12 +159,16 @@ def register() -> bool:
     from torch.utils.flop_counter import register_flop_formula
 
     from raytrm.models._triton_kernels import (
+        ATTENTION_BACKWARD_WARPS,
+        ATTENTION_WARPS,
         BLOCK_I,
         GATE_BLOCK_C,
         GATE_BLOCK_R,
         GATE_WARPS,
         ROPE_BLOCK_T,
         mix_positions_norm_kernel,
+        rope_attention_backward_kernel,
+        rope_attention_kernel,
         rope_qkv_backward_kernel,
         rope_qkv_kernel,
         swiglu_gate_backward_kernel,
@@ -238,8 +269,85 @@ def register() -> bool:
 
     torch.library.register_autograd("raytrm::rope_qkv", rope_backward, setup_context=rope_setup)
 
+    def attention_launch(
+        kernel: object, warps: int, block_l: int, heads: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        *tensors: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Run an attention kernel over qkv [B, L, 3 * heads * head_dim], one head a program, with SDPA's scale;
+        tensors are its tensor arguments after the tables."""
+        B, L, width = qkv.shape
+        head_dim = width // (3 * heads)
+        kernel[(B * heads,)](
+            qkv, cos, sin, *tensors, L, heads, cos.stride(0), head_dim**-0.5, BLOCK_L=block_l, HALF=head_dim // 2,
+            INTERPRETED=_INTERPRETED, num_warps=warps,
+        )  # fmt: skip
+
+    def attention_outputs(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's output [B, L, width / 3] and its rows' log-sum-exp [B * heads, L padded], uninitialised."""
+        B, L, width = qkv.shape
+        lse = torch.empty(B * heads, max(16, triton.next_power_of_2(L)), dtype=torch.float32, device=qkv.device)
+        return qkv.new_empty(B, L, width // 3), lse
+
+    # Opaque operators (custom_op, not triton_op): inductor recompiles a triton_op's kernels its own way, and these
+    # ran 5.5 times slower so (1.17 ms against 0.21 for the forward at TRM-attention's Sudoku shape on an H200).
+    @torch.library.custom_op("raytrm::rope_attention", mutates_args=())
+    def rope_attention_op(
+        qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = attention_outputs(qkv, heads)
+        attention_launch(rope_attention_kernel, ATTENTION_WARPS, lse.shape[1], heads, qkv, cos, sin, out, lse)
+        return out, lse
+
+    @rope_attention_op.register_fake
+    def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return attention_outputs(qkv, heads)
+
+    @torch.library.custom_op("raytrm::rope_attention_backward", mutates_args=())
+    def rope_attention_backward_op(
+        qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        grad: torch.Tensor, heads: int,
+    ) -> torch.Tensor:  # fmt: skip
+        grad_qkv = torch.empty_like(qkv)
+        attention_launch(
+            rope_attention_backward_kernel, ATTENTION_BACKWARD_WARPS, lse.shape[1], heads,
+            qkv, cos, sin, out, grad, lse, grad_qkv,
+        )  # fmt: skip
+        return grad_qkv
+
+    @rope_attention_backward_op.register_fake
+    def _(qkv: torch.Tensor, *args: object) -> torch.Tensor:
+        return torch.empty_like(qkv)
+
+    def attention_flops(qkv_shape: torch.Size, products: int) -> int:
+        """FLOPs of `products` products of [L, head_dim] by [head_dim, L] (or the like) a head, as torch counts
+        SDPA's: two forward, five backward."""
+        B, L, width = qkv_shape
+        return products * 2 * B * L * L * (width // 3)
+
+    @register_flop_formula(torch.ops.raytrm.rope_attention)
+    def rope_attention_flops(qkv_shape, cos_shape, sin_shape, heads, *args: object, **kwargs: object) -> int:
+        return attention_flops(qkv_shape, 2)
+
+    @register_flop_formula(torch.ops.raytrm.rope_attention_backward)
+    def rope_attention_backward_flops(qkv_shape, *args: object, **kwargs: object) -> int:
+        return attention_flops(qkv_shape, 5)
+
+    def attention_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+        qkv, cos, sin, heads = inputs
+        out, lse = output
+        ctx.save_for_backward(qkv, cos, sin, out, lse)
+        ctx.heads = heads
+        ctx.mark_non_differentiable(lse)
+
+    def attention_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor, _: object) -> tuple:
+        qkv, cos, sin, out, lse = ctx.saved_tensors
+        grad_qkv = torch.ops.raytrm.rope_attention_backward(qkv, cos, sin, out, lse, grad.contiguous(), ctx.heads)
+        return grad_qkv, None, None, None
+
+    torch.library.register_autograd("raytrm::rope_attention", attention_backward, setup_context=attention_setup)
+
     _registered = True
-    logger.debug("mix_positions_norm, swiglu_gate, rope_qkv: Triton kernels registered")
+    logger.debug("mix_positions_norm, swiglu_gate, rope_qkv, rope_attention: Triton kernels registered")
     return True
 
 
@@ -263,6 +371,18 @@ def rope_qkv(
     """
     assert cos.stride(-1) == 1 and sin.stride() == cos.stride() and cos.shape[0] >= qkv.shape[1], "bad RoPE tables"
     return torch.ops.raytrm.rope_qkv(qkv, cos, sin, heads)
+
+
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """Self-attention over qkv [B, L, 3 * heads * head_dim] (q, k and v side by side, as the fused projection
+    writes them) with q and k rotated by position: [B, L, heads * head_dim], the heads side by side, as the output
+    projection reads them; differentiable. cos and sin are rotate-half tables [positions >= L, head_dim]
+    (RotaryEmbedding's); the rotation rounds as rope_qkv's, the attention as flash attention's kernels do.
+
+    Only where fused_attention_available(qkv, head_dim, causal=False).
+    """
+    assert cos.stride(-1) == 1 and sin.stride() == cos.stride() and cos.shape[0] >= qkv.shape[1], "bad RoPE tables"
+    return torch.ops.raytrm.rope_attention(qkv, cos, sin, heads)[0]
 
 
 def mix_positions_norm(cols: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float) -> torch.Tensor:

@@ -377,6 +377,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         H, L = self.num_heads, x.shape[1]
         qkv = self.qkv_proj(x)
+        if rope is not None and kernels.fused_attention_available(qkv, self.head_dim, self.causal):
+            return self.o_proj(kernels.rope_attention(qkv, rope[0], rope[1], H))
         if rope is not None and kernels.fused_rope_available(qkv, self.head_dim):
             q, k, v = kernels.rope_qkv(qkv, rope[0], rope[1], H)
         else:

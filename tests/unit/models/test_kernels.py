@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from raytrm.models import kernels
-from raytrm.models.layers import SwiGLU, add_rms_norm, cast
+from raytrm.models.layers import RotaryEmbedding, SwiGLU, add_rms_norm, apply_rotary, cast
 
 ROOT = Path(__file__).resolve().parents[3]
 needs_triton = pytest.mark.skipif(not kernels.HAVE_TRITON, reason="needs Triton (the test extra installs it on Linux)")
@@ -210,6 +211,97 @@ def test_the_rope_operator_equals_the_plain_rotation_forward_and_backward_in_tri
     run_interpreted(ROPE_SCRIPT)
 
 
+def test_the_attention_operator_serves_whole_sequences_of_at_most_128_positions_but_compiled_no_grad_rounds(
+    monkeypatch,
+):
+    monkeypatch.setattr(kernels, "_registered", True)
+    monkeypatch.setattr(kernels, "_INTERPRETED", True)
+    qkv = torch.zeros(2, 97, 3 * 8 * 64, dtype=torch.bfloat16)
+    assert kernels.fused_attention_available(qkv, 64, causal=False)
+    with torch.no_grad():
+        assert kernels.fused_attention_available(qkv, 64, causal=False)  # eager no-grad rounds
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not kernels.fused_attention_available(qkv, 64, causal=False)  # inductor's rotation and cuDNN
+    assert kernels.fused_attention_available(qkv, 64, causal=False)  # compiled, with a graph: the one backward
+    assert not kernels.fused_attention_available(qkv[..., : 3 * 8 * 32], 32, causal=False)  # a strided view
+    assert kernels.fused_attention_available(torch.zeros(2, 97, 3 * 8 * 32, dtype=torch.bfloat16), 32, causal=False)
+    assert not kernels.fused_attention_available(qkv, 64, causal=True)  # the language model's
+    assert not kernels.fused_attention_available(torch.zeros(1, 129, 3 * 64, dtype=torch.bfloat16), 64, causal=False)
+    assert not kernels.fused_attention_available(torch.zeros(1, 9, 3 * 4 * 16, dtype=torch.bfloat16), 16, causal=False)
+    assert not kernels.fused_attention_available(torch.zeros(1, 9, 3 * 4 * 48, dtype=torch.bfloat16), 48, causal=False)
+    assert not kernels.fused_attention_available(qkv.float(), 64, causal=False)
+    monkeypatch.setattr(kernels, "_INTERPRETED", False)
+    assert not kernels.fused_attention_available(qkv, 64, causal=False)  # on a CPU without the interpreter
+
+
+ATTENTION_SCRIPT = """
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from raytrm.models import kernels
+from raytrm.models.layers import Attention, RotaryEmbedding
+from tests.unit.models.test_kernels import plain_rope_attention
+
+assert kernels.register()
+torch.manual_seed(0)
+
+# Sudoku's 97 positions (no multiple of a block), and a head of 32 over a handful.
+for batch, positions, heads, head_dim in ((1, 97, 2, 64), (3, 5, 3, 32)):
+    qkv = 2 * torch.randn(batch, positions, 3 * heads * head_dim, dtype=torch.float64)
+    grad = torch.randn(batch, positions, heads * head_dim, dtype=torch.float64)
+    cos, sin = RotaryEmbedding(head_dim, positions + 3, 10000.0)()
+    errors = {}
+    for name, f, dtype in (
+        ("exact", plain_rope_attention, torch.float64),
+        ("operator", kernels.rope_attention, torch.bfloat16),
+        ("plain", plain_rope_attention, torch.bfloat16),
+    ):
+        x = qkv.detach().to(dtype).requires_grad_()
+        out = f(x, cos, sin, heads)
+        out.backward(grad.to(dtype))
+        errors[name] = [out.detach().double(), x.grad.double()]
+        if name != "exact":
+            errors[name] = [(t - e).abs() for t, e in zip(errors[name], errors["exact"])]
+    # The operator (bf16 products, fp32 sums, rounded as flash attention's kernels round) is as close to the fp64
+    # truth as the plain bf16 path, forward and backward.
+    for ours, plain in zip(errors["operator"], errors["plain"]):
+        assert ours.max() <= 1.05 * plain.max() and ours.mean() <= 1.05 * plain.mean(), (ours.max(), plain.max())
+    # Counted as torch counts SDPA: two products forward, five backward.
+    x = qkv.bfloat16().requires_grad_()
+    with FlopCounterMode(display=False) as counter:
+        kernels.rope_attention(x, cos, sin, heads).backward(grad.bfloat16())
+    assert counter.get_total_flops() == 7 * 2 * batch * positions**2 * heads * head_dim
+
+# In the attention: the operator serves whole sequences with RoPE, and not the causal one.
+cos, sin = RotaryEmbedding(32, 97, 10000.0)()
+x = torch.randn(2, 97, 64).bfloat16()
+calls = []
+operator = kernels.rope_attention
+kernels.rope_attention = lambda *a: calls.append(1) or operator(*a)
+for causal, expected in ((False, [1]), (True, [])):
+    calls.clear()
+    attention = Attention(64, 2, causal=causal).bfloat16()
+    with torch.no_grad():
+        attention(x, (cos, sin))
+    assert calls == expected, (causal, calls)
+print("OK")
+"""
+
+
+@interpretable
+def test_the_attention_operator_is_as_close_to_exact_as_the_plain_path_in_tritons_interpreter():
+    run_interpreted(ATTENTION_SCRIPT)
+
+
+def plain_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """RoPE then SDPA over qkv [B, L, 3 * heads * head_dim] with the plain formulas, as Attention does without the
+    kernels: [B, L, heads * head_dim]."""
+    L, head_dim = qkv.shape[1], qkv.shape[-1] // (3 * heads)
+    split = qkv.unflatten(-1, (3 * heads, head_dim))
+    q, k = apply_rotary(split[..., : 2 * heads, :], cos[:L, None], sin[:L, None]).split(heads, dim=-2)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, split[..., 2 * heads :, :]))
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(-2)
+
+
 INTERPRETER_SCRIPT = """
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -355,10 +447,6 @@ def test_on_cuda_the_gate_operator_equals_the_plain_formulas_eager_and_compiled(
 @needs_cuda
 @needs_triton
 def test_on_cuda_the_rope_operator_equals_the_plain_rotation_eager_and_compiled():
-    import torch.nn.functional as F
-
-    from raytrm.models.layers import RotaryEmbedding, apply_rotary
-
     assert kernels.register()
     torch.manual_seed(0)
     batch, positions, heads, head_dim = 64, 97, 8, 64
@@ -391,3 +479,35 @@ def test_on_cuda_the_rope_operator_equals_the_plain_rotation_eager_and_compiled(
         assert (off <= b.float().abs() * 2**-7 + 1e-30).all() and (off > 0).float().mean() < 0.01, off.max()
     for a, b in zip(results[3], results[2], strict=True):
         assert torch.equal(a, b)
+
+
+@needs_cuda
+@needs_triton
+def test_on_cuda_the_attention_operator_is_as_close_to_exact_as_cudnns_eager_and_compiled():
+    assert kernels.register()
+    torch.manual_seed(0)
+    batch, positions, heads, head_dim = 64, 97, 8, 64
+    cos, sin = RotaryEmbedding(head_dim, positions, 10000.0).cuda()()
+    qkv = 2 * torch.randn(batch, positions, 3 * heads * head_dim, device="cuda", dtype=torch.float64)
+    grad = torch.randn(batch, positions, heads * head_dim, device="cuda", dtype=torch.float64)
+
+    def fused(x: torch.Tensor) -> torch.Tensor:
+        return kernels.rope_attention(x, cos, sin, heads)
+
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return plain_rope_attention(x, cos, sin, heads)
+
+    results = []
+    for f, dtype in ((plain, torch.float64), (plain, torch.bfloat16), (fused, torch.bfloat16)):
+        x = qkv.detach().to(dtype).requires_grad_()
+        out = f(x)
+        out.backward(grad.to(dtype))
+        results.append((out.double(), x.grad.double()))
+    for ours, theirs, exact in zip(results[2], results[1], results[0], strict=True):
+        ours, theirs = (ours - exact).abs(), (theirs - exact).abs()
+        assert ours.max() <= 1.05 * theirs.max() and ours.mean() <= 1.05 * theirs.mean(), (ours.max(), theirs.max())
+    # Compiled, the operator runs as it is (the same kernels, to the bit).
+    x = qkv.bfloat16().requires_grad_()
+    out = torch.compile(fused, fullgraph=True)(x)
+    out.backward(grad.bfloat16())
+    assert torch.equal(out.double(), results[2][0]) and torch.equal(x.grad.double(), results[2][1])
