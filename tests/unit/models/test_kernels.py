@@ -239,7 +239,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from raytrm.models import kernels
 from raytrm.models.layers import Attention, RotaryEmbedding
-from tests.unit.models.test_kernels import plain_rope_attention
+from tests.unit.models.test_kernels import assert_as_close_to_exact, attention_results
 
 assert kernels.register()
 torch.manual_seed(0)
@@ -249,22 +249,7 @@ for batch, positions, heads, head_dim in ((1, 97, 2, 64), (3, 5, 3, 32)):
     qkv = 2 * torch.randn(batch, positions, 3 * heads * head_dim, dtype=torch.float64)
     grad = torch.randn(batch, positions, heads * head_dim, dtype=torch.float64)
     cos, sin = RotaryEmbedding(head_dim, positions + 3, 10000.0)()
-    errors = {}
-    for name, f, dtype in (
-        ("exact", plain_rope_attention, torch.float64),
-        ("operator", kernels.rope_attention, torch.bfloat16),
-        ("plain", plain_rope_attention, torch.bfloat16),
-    ):
-        x = qkv.detach().to(dtype).requires_grad_()
-        out = f(x, cos, sin, heads)
-        out.backward(grad.to(dtype))
-        errors[name] = [out.detach().double(), x.grad.double()]
-        if name != "exact":
-            errors[name] = [(t - e).abs() for t, e in zip(errors[name], errors["exact"])]
-    # The operator (bf16 products, fp32 sums, rounded as flash attention's kernels round) is as close to the fp64
-    # truth as the plain bf16 path, forward and backward.
-    for ours, plain in zip(errors["operator"], errors["plain"]):
-        assert ours.max() <= 1.05 * plain.max() and ours.mean() <= 1.05 * plain.mean(), (ours.max(), plain.max())
+    assert_as_close_to_exact(attention_results(qkv, grad, cos, sin, heads))
     # Counted as torch counts SDPA: two products forward, five backward.
     x = qkv.bfloat16().requires_grad_()
     with FlopCounterMode(display=False) as counter:
@@ -300,6 +285,33 @@ def plain_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     q, k = apply_rotary(split[..., : 2 * heads, :], cos[:L, None], sin[:L, None]).split(heads, dim=-2)
     q, k, v = (t.transpose(1, 2) for t in (q, k, split[..., 2 * heads :, :]))
     return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(-2)
+
+
+def attention_results(
+    qkv: torch.Tensor, grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(output, qkv's gradient), in fp64, of the plain path in fp64 (the truth), the plain path in bf16 and the
+    attention operator in bf16, from qkv and the output's gradient grad."""
+    results = []
+    for f, dtype in (
+        (plain_rope_attention, torch.float64),
+        (plain_rope_attention, torch.bfloat16),
+        (kernels.rope_attention, torch.bfloat16),
+    ):
+        x = qkv.detach().to(dtype).requires_grad_()
+        out = f(x, cos, sin, heads)
+        out.backward(grad.to(dtype))
+        results.append((out.detach().double(), x.grad.double()))
+    return results
+
+
+def assert_as_close_to_exact(results: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The operator (bf16 products, fp32 sums, rounded as flash attention's kernels round) is as close to the truth
+    as the plain bf16 path, output and gradient, at its largest and on average (attention_results' results)."""
+    exact, plain, ours = results
+    for a, b, truth in zip(ours, plain, exact, strict=True):
+        a, b = (a - truth).abs(), (b - truth).abs()
+        assert a.max() <= 1.05 * b.max() and a.mean() <= 1.05 * b.mean(), (a.max(), b.max(), a.mean(), b.mean())
 
 
 INTERPRETER_SCRIPT = """
@@ -459,9 +471,7 @@ def test_on_cuda_the_rope_operator_equals_the_plain_rotation_eager_and_compiled(
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(-2)
 
     def plain(qkv: torch.Tensor) -> torch.Tensor:
-        split = qkv.unflatten(-1, (3 * heads, head_dim))
-        qk = apply_rotary(split[..., : 2 * heads, :], cos[:, None], sin[:, None])
-        return attend(*qk.split(heads, dim=-2), split[..., 2 * heads :, :])
+        return plain_rope_attention(qkv, cos, sin, heads)
 
     def fused(qkv: torch.Tensor) -> torch.Tensor:
         return attend(*kernels.rope_qkv(qkv, cos, sin, heads))
@@ -491,23 +501,10 @@ def test_on_cuda_the_attention_operator_is_as_close_to_exact_as_cudnns_eager_and
     qkv = 2 * torch.randn(batch, positions, 3 * heads * head_dim, device="cuda", dtype=torch.float64)
     grad = torch.randn(batch, positions, heads * head_dim, device="cuda", dtype=torch.float64)
 
-    def fused(x: torch.Tensor) -> torch.Tensor:
-        return kernels.rope_attention(x, cos, sin, heads)
-
-    def plain(x: torch.Tensor) -> torch.Tensor:
-        return plain_rope_attention(x, cos, sin, heads)
-
-    results = []
-    for f, dtype in ((plain, torch.float64), (plain, torch.bfloat16), (fused, torch.bfloat16)):
-        x = qkv.detach().to(dtype).requires_grad_()
-        out = f(x)
-        out.backward(grad.to(dtype))
-        results.append((out.double(), x.grad.double()))
-    for ours, theirs, exact in zip(results[2], results[1], results[0], strict=True):
-        ours, theirs = (ours - exact).abs(), (theirs - exact).abs()
-        assert ours.max() <= 1.05 * theirs.max() and ours.mean() <= 1.05 * theirs.mean(), (ours.max(), theirs.max())
+    results = attention_results(qkv, grad, cos, sin, heads)
+    assert_as_close_to_exact(results)
     # Compiled, the operator runs as it is (the same kernels, to the bit).
     x = qkv.bfloat16().requires_grad_()
-    out = torch.compile(fused, fullgraph=True)(x)
+    out = torch.compile(lambda x: kernels.rope_attention(x, cos, sin, heads), fullgraph=True)(x)
     out.backward(grad.bfloat16())
     assert torch.equal(out.double(), results[2][0]) and torch.equal(x.grad.double(), results[2][1])
