@@ -91,22 +91,11 @@ def fused_rope_available(qkv: torch.Tensor, head_dim: int) -> bool:
 
 
 def fused_attention_available(qkv: torch.Tensor, head_dim: int, causal: bool) -> bool:
-    """Whether rope_attention serves qkv [B, L, 3 * heads * head_dim]: self-attention over the whole sequence (not
-    causal) of at most MAX_POSITIONS positions, contiguous, head_dim twice a power of two of at least 16 (a product's
-    depth), and the kernels take it (half precision on CUDA, or bf16 under Triton's interpreter, once registered);
-    except in a compiled graph's no-grad rounds, where inductor's rotation and cuDNN's attention are as fast (the
-    module's docstring)."""
-    half = head_dim // 2
-    return (
-        _runs_kernels(qkv)
-        and not causal
-        and qkv.dim() == 3
-        and qkv.shape[1] <= MAX_POSITIONS
-        and qkv.is_contiguous()
-        and half >= 16
-        and half & (half - 1) == 0
-        and (torch.is_grad_enabled() or not torch.compiler.is_compiling())
-    )
+    """Whether rope_attention serves qkv [B, L, 3 * heads * head_dim]: where rope_qkv would (fused_rope_available;
+    so not in a compiled graph's no-grad rounds, where inductor's rotation and cuDNN's forward are as fast), for
+    self-attention over the whole sequence (not causal) of at most MAX_POSITIONS positions, with heads of at least
+    32 (each half a product's depth of 16)."""
+    return fused_rope_available(qkv, head_dim) and not causal and qkv.shape[1] <= MAX_POSITIONS and head_dim >= 32
 
 
 def fused_gate_available(gate_up: torch.Tensor, dim: int) -> bool:
