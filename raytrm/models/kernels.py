@@ -340,6 +340,11 @@ def register() -> bool:
     return True
 
 
+def _check_tables(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The RoPE tables the kernels read: rows of unit stride, alike in strides, covering qkv's positions."""
+    assert cos.stride(-1) == 1 and sin.stride() == cos.stride() and cos.shape[0] >= qkv.shape[1], "bad RoPE tables"
+
+
 def swiglu_gate(gate_up: torch.Tensor, dim: int) -> torch.Tensor:
     """silu(gate) * up for gate and up the halves of gate_up along dim, rounded where the plain formula rounds (the
     eager one; inductor rounds only the product); differentiable.
@@ -358,7 +363,7 @@ def rope_qkv(
 
     Only where fused_rope_available(qkv, head_dim).
     """
-    assert cos.stride(-1) == 1 and sin.stride() == cos.stride() and cos.shape[0] >= qkv.shape[1], "bad RoPE tables"
+    _check_tables(qkv, cos, sin)
     return torch.ops.raytrm.rope_qkv(qkv, cos, sin, heads)
 
 
@@ -370,7 +375,7 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
 
     Only where fused_attention_available(qkv, head_dim, causal=False).
     """
-    assert cos.stride(-1) == 1 and sin.stride() == cos.stride() and cos.shape[0] >= qkv.shape[1], "bad RoPE tables"
+    _check_tables(qkv, cos, sin)
     return torch.ops.raytrm.rope_attention(qkv, cos, sin, heads)[0]
 
 
