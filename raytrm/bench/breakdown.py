@@ -17,6 +17,7 @@ profiler cannot watch other threads, the step runs its micro-batches one after a
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -28,6 +29,9 @@ from raytrm.errors import UserError
 
 #: The ops that are matrix products, and where their operands are among the op's inputs.
 PRODUCT_OPERANDS = {"aten::mm": (0, 1), "aten::bmm": (0, 1), "aten::addmm": (1, 2), "aten::baddbmm": (1, 2)}
+#: oneDNN's linear (raytrm.models.onednn): x [..., k] @ weight [n, k].T, the weight second.
+LINEAR = "mkldnn::_linear_pointwise"
+PRODUCTS = {*PRODUCT_OPERANDS, LINEAR}
 #: How many of the rest a breakdown names.
 NAMED_OTHERS = 6
 
@@ -42,6 +46,8 @@ class Product:
     batch: int
     calls: int
     seconds: float
+    #: Run by oneDNN's linear (raytrm.models.onednn), not torch.mm's BLAS.
+    onednn: bool = False
 
     @property
     def gflops(self) -> float:
@@ -57,6 +63,7 @@ class Breakdown:
     impl: str
     step_seconds: float  # the row's median step, unprofiled
     matmul_gflops: float  # the row's measured ceiling
+    onednn_gflops: float | None = None  # oneDNN's, where raytrm's linear layers run on it
     profiled_seconds: float = 0.0
     #: Threads that ran the step's products side by side (1: one after another, each product on torch's threads).
     product_threads: int = 1
@@ -74,6 +81,9 @@ class Breakdown:
 
 def _operands(key: str, shapes: list[list[int]]) -> tuple[int, int, int, int]:
     """(batch, m, k, n) of a product op from its recorded input shapes."""
+    if key == LINEAR:
+        x, weight = shapes[0], shapes[1]
+        return 1, math.prod(x[:-1]), x[-1], weight[0]
     a, b = (shapes[i] for i in PRODUCT_OPERANDS[key])
     return (a[0] if len(a) == 3 else 1), a[-2], a[-1], b[-1]
 
@@ -93,26 +103,26 @@ def profile_step(step: Callable[[], object], into: Breakdown) -> Breakdown:
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, **_watching_all_threads()) as prof:
         step()
     events = [e for e in prof.events() if e.self_cpu_time_total > 0]
-    workers = {e.thread for e in events if e.key in PRODUCT_OPERANDS}
+    workers = {e.thread for e in events if e.key in PRODUCTS}
     # Threads running products side by side share the step's time; the calling thread's own operations (the
     # optimizer's, on all of torch's threads) count as they are.
     into.product_threads = max(1, len(workers))
     share = 1 / into.product_threads
-    products: defaultdict[tuple[int, int, int, int], list[float]] = defaultdict(lambda: [0, 0.0])
+    products: defaultdict[tuple[int, int, int, int, bool], list[float]] = defaultdict(lambda: [0, 0.0])
     rest: Counter[str] = Counter()
     for event in events:
         seconds = event.self_cpu_time_total / 1e6 * (share if event.thread in workers else 1.0)
         into.profiled_seconds += seconds
-        if event.key in PRODUCT_OPERANDS:
+        if event.key in PRODUCTS:
             into.products_seconds += seconds
-            shape = products[_operands(event.key, event.input_shapes)]
+            shape = products[(*_operands(event.key, event.input_shapes), event.key == LINEAR)]
             shape[0] += 1
             shape[1] += seconds
         elif "scaled_dot_product" in event.key or "attention" in event.key:
             into.attention_seconds += seconds
         else:
             rest[event.key] += seconds
-    into.products = [Product(m, k, n, batch, int(c), t) for (batch, m, k, n), (c, t) in products.items()]
+    into.products = [Product(m, k, n, batch, int(c), t, lib) for (batch, m, k, n, lib), (c, t) in products.items()]
     into.others = rest.most_common(NAMED_OTHERS)
     into.products.sort(key=lambda p: -p.seconds)
     return into
@@ -125,6 +135,7 @@ def format_breakdowns(rows: list[Breakdown], shapes: int = 8) -> str:
         lines.append(
             f"{r.variant} hidden {r.hidden}, {r.impl}: {r.step_seconds:.3f} s a step, {r.profiled_seconds:.3f} s "
             f"profiled; matmul ceiling {r.matmul_gflops:.1f} GFLOP/s"
+            + (f", oneDNN's {r.onednn_gflops:.1f}" if r.onednn_gflops else "")
             + (f"; micro-batches side by side on {r.product_threads} threads" if r.product_threads > 1 else "")
         )
         lines.append(f"  products  {r.products_seconds:8.3f} s {100 * r.products_seconds / total:5.1f}%")
@@ -135,9 +146,10 @@ def format_breakdowns(rows: list[Breakdown], shapes: int = 8) -> str:
         for p in r.products[:shapes]:
             shape = f"{p.batch} x " if p.batch > 1 else ""
             shape += f"[{p.m}, {p.k}] @ [{p.k}, {p.n}]"
+            ceiling, which = (r.onednn_gflops, "oneDNN's") if p.onednn and r.onednn_gflops else (r.matmul_gflops, "the")
             lines.append(
                 f"    {shape:<32} {p.calls:>4} calls {p.seconds:7.3f} s {p.gflops:7.1f} GFLOP/s "
-                f"({p.gflops / r.matmul_gflops:.2f} of the ceiling)"
+                f"({p.gflops / ceiling:.2f} of {which} ceiling)"
             )
         if r.bound is not None:
             lines.append(f"  raytrm / reference were raytrm's time outside its products zero: {r.bound:.2f}")

@@ -11,6 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from raytrm.hardware import device as devices
+from raytrm.models import onednn
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int = 2, repeats: int = 5) -> float:
@@ -37,28 +38,39 @@ def matmul_flops_per_sec(
     return 2 * n**3 / seconds
 
 
+def onednn_flops_per_sec(n: int = 2048, repeats: int = 5) -> float:
+    """Measured rate of oneDNN's n x n x n fp32 linear on a CPU, where raytrm's linear layers run (models.onednn)."""
+    x, weight = torch.randn(n, n), torch.randn(n, n)
+    seconds = median_seconds(lambda: onednn.linear(x, weight), torch.device(devices.CPU), warmup=2, repeats=repeats)
+    return 2 * n**3 / seconds
+
+
 def measure_steps(
     steps: list[Callable[[], object]], device: torch.device, dtype: torch.dtype, repeats: int
-) -> tuple[list[int], list[list[float]], float]:
-    """FLOPs of one call of each step, each step's seconds round by round, and the median matmul rate beside them.
+) -> tuple[list[int], list[list[float]], float, float | None]:
+    """FLOPs of one call of each step, each step's seconds round by round, and the median matmul rate beside them;
+    on a CPU whose linear layers run on oneDNN, oneDNN's median rate too (else None).
 
     Each step runs once (allocations, state set-up), once under the FLOP counter and once more to warm up; then
-    one sample of each step and of the ceiling is taken per round, so a change in the machine's load reaches every
-    row and the ceiling alike. 2048^3 saturates a CPU; a GPU needs a larger product to reach its rate.
+    one sample of each step and of the ceilings is taken per round, so a change in the machine's load reaches every
+    row and the ceilings alike. 2048^3 saturates a CPU; a GPU needs a larger product to reach its rate.
     """
     size = 2048 if device.type == devices.CPU else 8192
+    with_onednn = device.type == devices.CPU and dtype == torch.float32 and onednn.ENABLED
     flops = []
     for step in steps:
         step()
         flops.append(count_flops(step))
         step()
     samples: list[list[float]] = [[] for _ in steps]
-    rates = []
+    rates, onednn_rates = [], []
     for _ in range(repeats):
         for step, times in zip(steps, samples, strict=True):
             times.append(median_seconds(step, device, warmup=0, repeats=1))
         rates.append(matmul_flops_per_sec(device, n=size, dtype=dtype, repeats=3))
-    return flops, samples, statistics.median(rates)
+        if with_onednn:
+            onednn_rates.append(onednn_flops_per_sec(n=size, repeats=3))
+    return flops, samples, statistics.median(rates), statistics.median(onednn_rates) if onednn_rates else None
 
 
 def measure_side_by_side(
@@ -72,9 +84,9 @@ def measure_side_by_side(
     Performance): a spell over a few rounds moves each row's median, which may then catch it in one row and not the
     other, while a round's two steps share it.
     """
-    flops, samples, ceiling = measure_steps(steps, device, dtype, repeats)
+    flops, samples, ceiling, onednn_ceiling = measure_steps(steps, device, dtype, repeats)
     rates: list[dict[str, Any]] = [
-        {**step_rates(batch, f, statistics.median(times), ceiling), "ratio": None}
+        {**step_rates(batch, f, statistics.median(times), ceiling, onednn_ceiling), "ratio": None}
         for f, times in zip(flops, samples, strict=True)
     ]
     if len(rates) == 2:
@@ -89,8 +101,14 @@ def compiled_as_run(trainer: Any, mode: str) -> str:
     return mode if trainer.compiled and not failed else "off"
 
 
-def step_rates(batch: int, flops: float, seconds: float, ceiling: float) -> dict[str, float]:
-    """The rate fields every bench row shares, from one step's FLOPs and median seconds and the matmul ceiling."""
+def step_rates(
+    batch: int, flops: float, seconds: float, ceiling: float, onednn_ceiling: float | None = None
+) -> dict[str, float | None]:
+    """The rate fields every bench row shares, from one step's FLOPs and median seconds and the matmul ceiling.
+
+    On a CPU the ceiling is torch.mm's rate (MKL's, what the reference's products run on); oneDNN's, which raytrm's
+    linear layers run on and which is faster on some CPUs, is beside it where measured.
+    """
     return {
         "step_seconds": seconds,
         "samples_per_sec": batch / seconds,
@@ -98,6 +116,8 @@ def step_rates(batch: int, flops: float, seconds: float, ceiling: float) -> dict
         "gflops": flops / seconds / 1e9,
         "matmul_gflops": ceiling / 1e9,
         "fraction_of_matmul": flops / seconds / ceiling,
+        "onednn_gflops": onednn_ceiling / 1e9 if onednn_ceiling else None,
+        "fraction_of_onednn": flops / seconds / onednn_ceiling if onednn_ceiling else None,
     }
 
 
@@ -110,3 +130,10 @@ def count_flops(fn: Callable[[], object]) -> int:
     with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
         fn()
     return int(counter.get_total_flops())
+
+
+def onednn_columns(row: Any) -> str:
+    """A row's oneDNN ceiling and its fraction of it, as two table columns (blank where not measured)."""
+    if row.onednn_gflops is None:
+        return f"{'':>8} {'':>8}"
+    return f"{row.onednn_gflops:>8.1f} {row.fraction_of_onednn:>8.2f}"

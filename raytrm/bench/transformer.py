@@ -25,7 +25,7 @@ import numpy as np
 
 from raytrm import config as cfg
 from raytrm.bench.nanogpt import NanoGPTTrainer
-from raytrm.bench.timing import compiled_as_run, measure_side_by_side
+from raytrm.bench.timing import compiled_as_run, measure_side_by_side, onednn_columns
 from raytrm.constants import CACHE_DIR_ENV
 from raytrm.train.trainer import Trainer
 
@@ -51,6 +51,9 @@ class TransformerRow:
     gflops: float
     matmul_gflops: float
     fraction_of_matmul: float
+    #: On a CPU whose linear layers run on oneDNN: oneDNN's 2048^3 rate, and the model's fraction of it.
+    onednn_gflops: float | None = None
+    fraction_of_onednn: float | None = None
     #: "raytrm", or "nanogpt" for the nanoGPT-style reference's training step.
     impl: str = "raytrm"
     #: On a raytrm row measured beside the reference: raytrm tokens/s / reference tokens/s.
@@ -168,7 +171,7 @@ def format_rows(rows: list[TransformerRow]) -> str:
     head = (
         f"{'impl':<8} {'hidden':>6} {'seq':>5} {'layers':>6} {'batch':>5} {'device':>6} {'dtype':>8} {'step s':>8} "
         f"{'tokens/s':>10} {'samples/s':>10} {'GFLOP/step':>10} {'GFLOP/s':>8} {'matmul':>8} {'fraction':>8} "
-        f"{'ratio':>6} compiled"
+        f"{'oneDNN':>8} {'fraction':>8} {'ratio':>6} compiled"
     )
     lines = [head]
     for r in rows:
@@ -176,7 +179,8 @@ def format_rows(rows: list[TransformerRow]) -> str:
         lines.append(
             f"{r.impl:<8} {r.hidden:>6} {r.seq_len:>5} {r.layers:>6} {r.batch:>5} {r.device:>6} {r.dtype:>8} "
             f"{r.step_seconds:>8.3f} {r.tokens_per_sec:>10.0f} {r.samples_per_sec:>10.2f} {r.gflop_per_step:>10.2f} "
-            f"{r.gflops:>8.1f} {r.matmul_gflops:>8.1f} {r.fraction_of_matmul:>8.2f} {ratio} {r.compiled}"
+            f"{r.gflops:>8.1f} {r.matmul_gflops:>8.1f} {r.fraction_of_matmul:>8.2f} {onednn_columns(r)} {ratio} "
+            f"{r.compiled}"
         )
     return "\n".join(lines)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from raytrm import config as cfg
 from raytrm.bench import breakdown as bd
 from raytrm.bench.reference import ReferenceTrainer, load_reference_classes
-from raytrm.bench.timing import compiled_as_run, measure_side_by_side
+from raytrm.bench.timing import compiled_as_run, measure_side_by_side, onednn_columns
 from raytrm.data.build import build_dataset
 from raytrm.train.trainer import Trainer
 
@@ -44,6 +44,9 @@ class TrmRow:
     gflops: float
     matmul_gflops: float
     fraction_of_matmul: float
+    #: On a CPU whose linear layers run on oneDNN: oneDNN's 2048^3 rate, and the model's fraction of it.
+    onednn_gflops: float | None = None
+    fraction_of_onednn: float | None = None
     #: "raytrm", or "reference" for the reference's own training step.
     impl: str = "raytrm"
     #: On a raytrm row measured beside the reference: raytrm samples/s / reference samples/s.
@@ -104,13 +107,11 @@ def _measure_pair(
             steps.append(("reference", ref.train_step))
         rates = measure_side_by_side([step for _, step in steps], trainer.device, trainer.dtype, repeats, batch)
         if breakdowns is not None:
-            profiled = [
-                bd.profile_step(
-                    step,
-                    bd.Breakdown(model.variant, model.hidden_size, impl, r["step_seconds"], r["matmul_gflops"]),
-                )
-                for (impl, step), r in zip(steps, rates, strict=True)
-            ]
+            profiled = []
+            for (impl, step), r in zip(steps, rates, strict=True):
+                row = bd.Breakdown(model.variant, model.hidden_size, impl, r["step_seconds"], r["matmul_gflops"])
+                row.onednn_gflops = r["onednn_gflops"]
+                profiled.append(bd.profile_step(step, row))
             if len(profiled) == 2:
                 profiled[0].bound = bd.bound(*profiled)
             breakdowns.extend(profiled)
@@ -174,7 +175,8 @@ def bench_trm(
 def format_rows(rows: list[TrmRow]) -> str:
     head = (
         f"{'variant':<10} {'impl':<9} {'hidden':>6} {'batch':>5} {'device':>6} {'dtype':>8} {'step s':>8} "
-        f"{'samples/s':>10} {'GFLOP/step':>10} {'GFLOP/s':>8} {'matmul':>8} {'fraction':>8} {'ratio':>6} compiled"
+        f"{'samples/s':>10} {'GFLOP/step':>10} {'GFLOP/s':>8} {'matmul':>8} {'fraction':>8} {'oneDNN':>8} "
+        f"{'fraction':>8} {'ratio':>6} compiled"
     )
     lines = [head]
     for r in rows:
@@ -182,7 +184,7 @@ def format_rows(rows: list[TrmRow]) -> str:
         lines.append(
             f"{r.variant:<10} {r.impl:<9} {r.hidden:>6} {r.batch:>5} {r.device:>6} {r.dtype:>8} {r.step_seconds:>8.3f} "
             f"{r.samples_per_sec:>10.2f} {r.gflop_per_step:>10.1f} {r.gflops:>8.1f} {r.matmul_gflops:>8.1f} "
-            f"{r.fraction_of_matmul:>8.2f} {ratio} {r.compiled}"
+            f"{r.fraction_of_matmul:>8.2f} {onednn_columns(r)} {ratio} {r.compiled}"
         )
     return "\n".join(lines)
 

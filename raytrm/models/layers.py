@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raytrm.models import kernels
+from raytrm.models import kernels, onednn
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -186,16 +186,20 @@ def swiglu_width(hidden_size: int, expansion: float) -> int:
 
 
 class Linear(nn.Module):
-    """Linear layer with truncated LeCun-normal init (std 1/sqrt(fan_in)); bias, if any, starts at zero."""
+    """Linear layer with truncated LeCun-normal init (std 1/sqrt(fan_in)); bias, if any, starts at zero.
+
+    In fp32 on an x86-64 CPU its products run on oneDNN (raytrm.models.onednn), faster than MKL's there.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        onednn.register_flops()
         self.weight = nn.Parameter(trunc_normal_(torch.empty(out_features, in_features), std=in_features**-0.5))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else cast(self.bias, x.dtype)
-        return F.linear(x, cast(self.weight, x.dtype), bias)
+        return onednn.linear(x, cast(self.weight, x.dtype), bias)
 
 
 class Embedding(nn.Module):

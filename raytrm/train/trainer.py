@@ -29,6 +29,7 @@ from raytrm.data.loader import global_batches
 from raytrm.distributed.shares import shard, split
 from raytrm.distributed.sync import GradientSync, LocalSync, OverlappedAllReduce
 from raytrm.hardware import device as devices
+from raytrm.models import onednn
 from raytrm.models.trm import Carry
 from raytrm.train import threaded
 from raytrm.train.compile import compile_regions, plan_compile
@@ -129,6 +130,8 @@ class Trainer:
         self._threaded = (
             threaded.ThreadedMicroBatches(self.model) if threaded.available(self.device, bool(self.compiled)) else None
         )
+        if self.device.type == devices.CPU and self.dtype == torch.float32:
+            logger.info("CPU products: %s", onednn.reason())
         if self._threaded is not None and self.threads["threads"] > 1:
             logger.info(
                 "micro-batches: one share of the slots per thread, %d threads side by side", self.threads["threads"]

@@ -4,6 +4,7 @@ import torch
 from raytrm.bench import breakdown as bd
 from raytrm.bench.trm import bench_trm
 from raytrm.errors import UserError
+from raytrm.models import onednn
 from raytrm.train import threaded
 
 
@@ -21,6 +22,11 @@ def test_a_breakdown_finds_every_product_the_flop_counter_counts(tmp_path):
     assert len(step.others) == bd.NAMED_OTHERS
     text = bd.format_breakdowns(breakdowns)
     assert "mlp_t hidden 32, raytrm" in text and "of the ceiling" in text
+    # Linear layers run on oneDNN where it serves, their rates beside oneDNN's ceiling; the weights' gradients on mm.
+    assert {p.onednn for p in step.products} == ({True, False} if onednn.ENABLED else {False})
+    assert (step.onednn_gflops is not None) == onednn.ENABLED
+    if onednn.ENABLED:
+        assert "of oneDNN's ceiling" in text
     if threaded.available(torch.device("cpu"), compiled=False) and bd._watching_all_threads():
         # The step profiled as it runs: two threads' micro-batches side by side, every product of both found above.
         assert step.product_threads == 2 and "micro-batches side by side on 2 threads" in text
@@ -38,6 +44,8 @@ def test_a_product_reads_its_operands_wherever_the_op_keeps_them():
     assert bd._operands("aten::addmm", [[7], [3, 5], [5, 7], [], []]) == (1, 3, 5, 7)
     assert bd._operands("aten::bmm", [[2, 3, 5], [2, 5, 7]]) == (2, 3, 5, 7)
     assert bd._operands("aten::baddbmm", [[2, 3, 7], [2, 3, 5], [2, 5, 7], [], []]) == (2, 3, 5, 7)
+    # oneDNN's linear: x [2, 3, 5] @ weight [7, 5].T is a [6, 5] @ [5, 7] product.
+    assert bd._operands(bd.LINEAR, [[2, 3, 5], [7, 5], [], [], [], []]) == (1, 6, 5, 7)
     assert bd.Product(3, 5, 7, 2, calls=10, seconds=1e-6).gflops == pytest.approx(2 * 2 * 3 * 5 * 7 * 10 / 1e-6 / 1e9)
 
 

@@ -4,7 +4,8 @@ import types
 import pytest
 import torch
 
-from raytrm.bench.timing import compiled_as_run, count_flops, measure_side_by_side
+from raytrm.bench.timing import compiled_as_run, count_flops, measure_side_by_side, onednn_columns
+from raytrm.models import onednn
 
 
 def test_flops_of_a_compiled_call_are_counted_eagerly_without_tracing_a_graph():
@@ -55,3 +56,19 @@ def test_a_bench_row_says_compiled_only_where_every_region_ran_compiled():
     assert compiled_as_run(trainer(["_round"]), "cudagraphs") == "cudagraphs"
     assert compiled_as_run(trainer(["_round"], failed="BackendCompilerFailed: ..."), "on") == "off"
     assert compiled_as_run(trainer([]), "on") == "off"  # the plan stayed eager (a CPU without a C++ compiler)
+
+
+def test_on_a_cpu_with_onednn_rows_carry_its_ceiling_beside_torch_mms(monkeypatch):
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    [row] = measure_side_by_side([lambda: a @ b], torch.device("cpu"), torch.float32, 1, 8)
+    if onednn.ENABLED:
+        assert row["onednn_gflops"] > 0
+        assert row["fraction_of_onednn"] == pytest.approx(row["gflops"] / row["onednn_gflops"])
+        assert onednn_columns(types.SimpleNamespace(**row)).split() == [
+            f"{row['onednn_gflops']:.1f}",
+            f"{row['fraction_of_onednn']:.2f}",
+        ]
+    monkeypatch.setattr(onednn, "ENABLED", False)
+    [row] = measure_side_by_side([lambda: a @ b], torch.device("cpu"), torch.float32, 1, 8)
+    assert row["onednn_gflops"] is None and row["fraction_of_onednn"] is None
+    assert onednn_columns(types.SimpleNamespace(**row)).strip() == ""

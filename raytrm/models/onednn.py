@@ -1,0 +1,129 @@
+"""Linear layers on oneDNN's matrix products, for fp32 on x86-64 CPUs.
+
+On a CPU, torch.mm (and so F.linear and autograd's products) runs MKL's sgemm. PyTorch's x86-64 wheels carry
+oneDNN too (torch.backends.mkldnn), whose just-in-time kernels ran TRM's products 10-17% faster on this project's
+AMD EPYC (Zen 4) machine, one thread each: 111-114 GFLOP/s against MKL's 95-103 at every forward shape of TRM at
+hidden 256 and 512, and at 2048^3 (README Performance). So a Linear's forward, and the gradient of its input, run
+on oneDNN's `_linear_pointwise` (the op inductor uses for CPU linears) with the weight packed into oneDNN's layout
+once for each value it takes; the weight's gradient stays on MKL, where oneDNN's form (both operands strided) was
+no faster.
+
+The products sum in another order than MKL's, so results agree with F.linear within fp32 rounding, not to the bit.
+Elsewhere (other dtypes, GPUs, Apple Silicon's CPUs, under torch.compile, which packs its own weights) a Linear is
+F.linear.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+
+import torch
+import torch.nn.functional as F
+
+#: This torch has oneDNN's linear on an x86-64 CPU. Tests turn it off to compare with MKL.
+ENABLED = (
+    platform.machine().lower() in ("x86_64", "amd64")
+    and torch.backends.mkldnn.is_available()
+    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+)
+
+
+def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x @ weight.T runs on oneDNN: fp32 on a CPU, eager, with a 2-D weight and an x of 2 or more dims."""
+    return (
+        ENABLED
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.dim() >= 2
+        and weight.dim() == 2
+        and not torch.compiler.is_compiling()
+    )
+
+
+def reason() -> str:
+    """One line on where a CPU's fp32 products run, for the log."""
+    if ENABLED:
+        return "oneDNN for linear layers (faster than MKL's sgemm on x86-64), MKL for the rest"
+    return f"MKL or the platform's BLAS (oneDNN's linear needs an x86-64 CPU; this is {platform.machine()})"
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) on oneDNN, weight in its packed layout (see _packed)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _packed(weight: torch.Tensor, transposed: bool, rows: int) -> torch.Tensor:
+    """weight (or its transpose) reordered into oneDNN's blocked layout, kept on the weight until it changes.
+
+    A packed weight runs its products 2-7% faster than the dense one, and a weight serves dozens of products
+    between two optimizer steps (TRM's 21 rounds reuse one network), so it is packed once for each value it holds.
+    Its version counter moves with every in-place write through torch (the optimizer's step, load_state_dict, an
+    EMA swap), and with it the packed copy; a write through `.data` would not be seen, and raytrm makes none. Costs
+    a copy of the weight each way, on the weight (a replica's weights have their own).
+    """
+    key = (weight._version, weight.data_ptr())
+    packs = weight.__dict__.setdefault("_onednn_packed", {})
+    hit = packs.get(transposed)
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            dense = weight.t().contiguous() if transposed else weight.contiguous()
+            hit = packs[transposed] = (key, torch.ops.mkldnn._reorder_linear_weight(dense, rows))
+    return hit[1]
+
+
+def _rows(t: torch.Tensor) -> int:
+    return t.numel() // t.shape[-1]
+
+
+class _Linear(torch.autograd.Function):
+    """F.linear with oneDNN's products forward and for the input's gradient, MKL's for the weight's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _product(x, _packed(weight, False, _rows(x)), bias)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _product(g, _packed(weight, True, _rows(g)), None)
+        if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2]):
+            g2 = g.reshape(-1, g.shape[-1])
+            if ctx.needs_input_grad[1]:
+                grad_w = torch.mm(g2.t(), x.reshape(-1, x.shape[-1]))
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_b = g2.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), on oneDNN where `available` says so."""
+    if available(x, weight):
+        return _Linear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+_registered = False
+
+
+def register_flops() -> None:
+    """Count oneDNN's linear in torch's FLOP counter as F.linear is counted (2 m k n), once per process."""
+    global _registered
+    if _registered or not ENABLED:
+        return
+    from torch.utils.flop_counter import register_flop_formula
+
+    op = torch.ops.mkldnn._linear_pointwise  # both overloads: (x, w, ...) and binary's (x, other, w, ...)
+    if op not in torch.utils.flop_counter.flop_registry:
+
+        @register_flop_formula(op)
+        def linear_pointwise_flops(x_shape, second, third=None, *args: object, **kwargs: object) -> int:
+            w_shape = third if isinstance(third, torch.Size) and len(third) == 2 else second
+            return 2 * math.prod(x_shape[:-1]) * w_shape[0] * w_shape[1]
+
+    _registered = True
