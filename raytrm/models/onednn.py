@@ -30,9 +30,11 @@ ENABLED = (
 
 
 def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x @ weight.T runs on oneDNN: fp32 on a CPU, eager, with a 2-D weight and an x of 2 or more dims."""
+    """Whether x @ weight.T runs on oneDNN: fp32 on a CPU, eager, with a 2-D weight and an x of 2 or more dims,
+    unless torch's oneDNN is turned off (torch.backends.mkldnn.flags(enabled=False))."""
     return (
         ENABLED
+        and torch.backends.mkldnn.enabled
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32

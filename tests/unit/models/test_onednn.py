@@ -71,6 +71,10 @@ def test_it_serves_fp32_on_a_cpu_eagerly_and_nothing_else(monkeypatch):
     assert not onednn.available(torch.randn(5, 48, dtype=torch.float64), w.double())
     assert not onednn.available(torch.randn(5, 48, dtype=torch.bfloat16), w)
     assert not onednn.available(torch.randn(48), w)  # a vector: F.linear's
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.backends.mkldnn, "enabled", False)  # the user turned torch's oneDNN off
+        assert not onednn.available(torch.randn(5, 48), w)
+    assert torch.backends.mkldnn.enabled
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not onednn.available(torch.randn(5, 48), w)  # inductor packs its own weights
 
