@@ -109,8 +109,8 @@ def _measure_pair(
         if breakdowns is not None:
             profiled = []
             for (impl, step), r in zip(steps, rates, strict=True):
-                row = bd.Breakdown(model.variant, model.hidden_size, impl, r["step_seconds"], r["matmul_gflops"])
-                row.onednn_gflops = r["onednn_gflops"]
+                ceilings = {"matmul_gflops": r["matmul_gflops"], "onednn_gflops": r["onednn_gflops"]}
+                row = bd.Breakdown(model.variant, model.hidden_size, impl, r["step_seconds"], **ceilings)
                 profiled.append(bd.profile_step(step, row))
             if len(profiled) == 2:
                 profiled[0].bound = bd.bound(*profiled)

@@ -21,6 +21,8 @@ import platform
 import torch
 import torch.nn.functional as F
 
+from raytrm.hardware import device as devices
+
 #: This torch has oneDNN's linear on an x86-64 CPU. Tests turn it off to compare with MKL.
 ENABLED = (
     platform.machine().lower() in ("x86_64", "amd64")
@@ -35,7 +37,7 @@ def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         ENABLED
         and torch.backends.mkldnn.enabled
-        and x.device.type == "cpu"
+        and x.device.type == devices.CPU
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and x.dim() >= 2
