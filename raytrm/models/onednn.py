@@ -48,9 +48,11 @@ def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def reason() -> str:
     """One line on where a CPU's fp32 products run, for the log."""
-    if ENABLED:
-        return "oneDNN for linear layers (faster than MKL's sgemm on x86-64), MKL for the rest"
-    return f"MKL or the platform's BLAS (oneDNN's linear needs an x86-64 CPU; this is {platform.machine()})"
+    if not ENABLED:
+        return f"torch.mm's BLAS for all (oneDNN's linear needs an x86-64 CPU; this is {platform.machine()})"
+    if not torch.backends.mkldnn.enabled:
+        return "torch.mm's BLAS for all (torch's oneDNN is turned off)"
+    return "linear layers on oneDNN, the rest on torch.mm's BLAS (x86-64; raytrm.models.onednn says why)"
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
