@@ -56,7 +56,7 @@ def measure_steps(
     row and the ceilings alike. 2048^3 saturates a CPU; a GPU needs a larger product to reach its rate.
     """
     size = 2048 if device.type == devices.CPU else 8192
-    with_onednn = device.type == devices.CPU and dtype == torch.float32 and onednn.ENABLED
+    with_onednn = device.type == devices.CPU and dtype == torch.float32 and onednn.on()
     flops = []
     for step in steps:
         step()

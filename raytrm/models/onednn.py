@@ -31,12 +31,17 @@ ENABLED = (
 )
 
 
+def on() -> bool:
+    """Whether this process's fp32 CPU linear layers run on oneDNN: it is here, and torch's oneDNN is not turned off
+    (torch.backends.mkldnn.flags(enabled=False))."""
+    return ENABLED and torch.backends.mkldnn.enabled
+
+
 def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x @ weight.T runs on oneDNN: fp32 on a CPU, eager, with a 2-D weight and an x of 2 or more dims,
-    unless torch's oneDNN is turned off (torch.backends.mkldnn.flags(enabled=False))."""
+    """Whether x @ weight.T runs on oneDNN: where it is on, fp32 on a CPU, eager, with a 2-D weight and an x of 2 or
+    more dims."""
     return (
-        ENABLED
-        and torch.backends.mkldnn.enabled
+        on()
         and x.device.type == devices.CPU
         and x.dtype == torch.float32
         and weight.dtype == torch.float32

@@ -73,7 +73,7 @@ def test_it_serves_fp32_on_a_cpu_eagerly_and_nothing_else(monkeypatch):
     assert not onednn.available(torch.randn(48), w)  # a vector: F.linear's
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.backends.mkldnn, "enabled", False)  # the user turned torch's oneDNN off
-        assert not onednn.available(torch.randn(5, 48), w)
+        assert not onednn.on() and not onednn.available(torch.randn(5, 48), w)
         if onednn.ENABLED:
             assert onednn.reason() == "torch.mm's BLAS for all (torch's oneDNN is turned off)"
     assert torch.backends.mkldnn.enabled
