@@ -2,26 +2,23 @@
 
     python examples/cuda_out_of_memory.py        # needs a CUDA GPU; no Ray
 
-1. The allocator is capped at about 2 GiB and the governor is given a budget far above it, so its first choice
-   is too large: CUDA raises out-of-memory, the step is redone on the same samples at half the micro-batch, until
-   it fits. The run completes and has seen exactly steps x global batch samples.
-2. The allocator is left alone and the budget is 1.5 GiB: the governor fits its probe steps and picks the largest
-   micro-batch whose predicted allocator peak stays under 90% of it.
+1. The allocator is capped at about 2 GiB and the governor is given a budget far above it, so the cut it approaches
+   is too large: CUDA raises out-of-memory, and the step is redone on the same samples at half the micro-batch.
+   The run completes and has seen exactly steps x global batch samples.
+2. The allocator is left alone and the budget is 1.5 GiB: the governor fits its probe steps, then approaches the
+   largest micro-batch whose predicted allocator peak stays under 90% of it, refitting on each step's peak.
 
-Output on an H200 (torch 2.11, 2026-11-22):
+Output on an H200 (torch 2.11, 2026-11-25):
 
-    capped: choose 16 -> 1024
-    capped: out-of-memory 1024 -> 512
-    capped: out-of-memory 512 -> 256
-    capped: out-of-memory 256 -> 128
-    capped: out-of-memory 128 -> 64
+    capped: choose 16 -> 32
+    capped: approach 32 -> 64
     capped: out-of-memory 64 -> 32
-    capped: out-of-memory 32 -> 16
-    capped: samples seen 6144 = 6 x 1024, cut [16, 16, ..., 16], allocator peak 2025 MiB
-    budget: micro-batch 13, predicted 1342 MiB, measured 1507 MiB of 1536 MiB (cuda-allocator-peak)
+    capped: samples seen 6144 = 6 x 1024, cut [32, 32, ..., 32], allocator peak 1974 MiB
+    budget: micro-batch 19, predicted 1361 MiB, measured 1357 MiB of 1536 MiB (cuda-allocator-peak)
 
-The budget run stays under its budget, but its measured peak is 11% above the prediction: the CUDA caching
-allocator's block rounding is not linear in the micro-batch at this size, and the 10% margin is what absorbed it.
+Before the approach (2026-11-22), the governor went from its probes straight to its pick: the capped run chose
+1024 and halved six times, down to 16; the budget run chose 13, and its measured peak was 11% above the
+prediction of the line fitted to the probes alone (1507 MiB against 1342).
 """
 
 import tempfile

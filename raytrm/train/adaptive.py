@@ -2,8 +2,11 @@
 
 The governor only decides how a global batch is cut; the trainer guarantees the cut never changes the samples or
 the gradient (DESIGN.md invariant 1). It probes on real training steps, smallest cut first, because a re-cut step is
-as good as any other: nothing is spent on probing. Decisions are pure functions of what it is told (step peaks,
-pressure, out-of-memory errors), so tests script them.
+as good as any other: nothing is spent on probing. A line fitted to the small probe cuts predicts large ones
+poorly (two peaks 8 samples apart, each a few tens of MiB off, can give a slope 20% off), so the chosen cut is
+approached at most doubling per step, refitting on each step's peak: the last move extrapolates from a cut at least
+half its size. Decisions are pure functions of what it is told (step peaks, pressure, out-of-memory errors), so
+tests script them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class GovernorSettings:
     low_water: float = 0.70  # peaks below this for grow_after steps let it grow back towards the target
     grow_after: int = 20
     probe_steps: int = 3  # steps measured at increasing cuts before the fit (the first one is warm-up)
+    approach: float = 2.0  # after the fit, a step's cut is at most this times the largest measured, until the target
 
 
 @dataclass
@@ -47,6 +51,7 @@ class MemoryGovernor:
     _probe: list[int] = field(default_factory=list)
     _calm_steps: int = 0
     _current: int = 0
+    _approaching: bool = False  # moving up to the fitted target, refitting on each step's peak
 
     def __post_init__(self) -> None:
         top = min(self.max_micro_batch, self.global_batch)
@@ -100,7 +105,9 @@ class MemoryGovernor:
                 self.target = smaller  # the fit promised more than this machine gives: aim lower from now on
             if smaller < self._current:
                 self._event(step, "shrink", smaller, why)
-            self._calm_steps = 0
+            self._calm_steps, self._approaching = 0, False
+        elif self._approaching:
+            self._approach(step)
         elif peak_bytes < self.settings.low_water * budget and self.target and self._current < self.target:
             self._calm_steps += 1
             if self._calm_steps >= self.settings.grow_after:
@@ -135,14 +142,40 @@ class MemoryGovernor:
         if self._current <= 1:
             raise MemoryError("out of memory at micro-batch 1: the model does not fit this device")
         self._probe.clear()
+        self._approaching = False
         self.target = max(1, self._current // 2)
         self._event(step, "out-of-memory", self.target, "the allocator raised out-of-memory; the step is redone")
         return self._current
 
     def _refit(self) -> None:
-        # The newest point per micro-batch: old peaks at a size predate what the process holds now.
-        latest = dict(self._points)
+        # The newest point per micro-batch: old peaks at a size predate what the process holds now. The warm-up step
+        # is left out, as in the first fit, unless its cut was measured again.
+        latest = dict(self._points[1:] if len(self._points) > 2 else self._points)
         self.fit = fit(sorted(latest.items()))
+
+    def _next_cut(self) -> int:
+        """The target, or as far towards it as one step of the approach may move (self.target is set)."""
+        assert self.target is not None
+        largest = max(b for b, _ in self._points)
+        return min(self.target, max(self._current + 1, math.floor(self.settings.approach * largest)))
+
+    def _approach(self, step: int) -> None:
+        """One step of the approach: refit with this step's peak, aim again, move on at most `approach` times."""
+        self._refit()
+        self.target = min(self._fitting(self.settings.margin), self.global_batch)
+        if self.target <= self._current:
+            # The refit puts the target here or below; the high-water mark, not the fit, shrinks a measured cut.
+            self.target, self._approaching = self._current, False
+            return
+        nearer = self._next_cut()
+        self._approaching = nearer < self.target
+        self._event(
+            step,
+            "approach",
+            nearer,
+            f"refit on {len(self.fit.points)} cuts predicts {self.fit.predict(self.target) / MiB:.0f} MiB at "
+            f"micro-batch {self.target}, {self.fit.predict(nearer) / MiB:.0f} MiB at {nearer}",
+        )
 
     def _fitting(self, margin: float) -> int:
         assert self.fit is not None
@@ -160,12 +193,18 @@ class MemoryGovernor:
                 f"({predicted_fixed / MiB:.0f} MiB measured); raise --memory-budget-mb or shrink the model"
             )
         self.target = min(self._fitting(self.settings.margin), self.global_batch)
+        nearer = self._next_cut()
+        self._approaching = nearer < self.target
+        approach = (
+            f"; approached at most {self.settings.approach:g}x a step, refitting on each" if self._approaching else ""
+        )
         self._event(
             step,
             "choose",
-            self.target,
+            nearer,
             f"fit {self.fit.fixed_bytes / MiB:.0f} MiB + {self.fit.per_sample_bytes / MiB:.2f} MiB/sample "
-            f"predicts {self.fit.predict(self.target) / MiB:.0f} MiB of {self.budget_bytes / MiB:.0f} MiB",
+            f"predicts {self.fit.predict(self.target) / MiB:.0f} MiB of {self.budget_bytes / MiB:.0f} MiB at "
+            f"micro-batch {self.target}{approach}",
         )
         return self._current
 
@@ -177,6 +216,7 @@ class MemoryGovernor:
             "points": list(self._points),
             "probe": list(self._probe),
             "calm_steps": self._calm_steps,
+            "approaching": self._approaching,
             "peak_bytes": self.peak_bytes,
             "events": list(self.events),
         }
@@ -187,6 +227,7 @@ class MemoryGovernor:
         self._points = [(int(b), int(p)) for b, p in state["points"]]
         self._probe = [int(b) for b in state["probe"]]
         self._calm_steps, self.peak_bytes = int(state["calm_steps"]), int(state["peak_bytes"])
+        self._approaching = bool(state.get("approaching", False))  # absent from checkpoints before the approach
         json.dumps(state["events"])  # they go to summary.json: refuse what could not (a TypeError) before training
         self.events = list(state["events"])
         if self._points and not self._probe:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -15,46 +17,103 @@ from raytrm.train.run import run_training
 MiB = 2**20
 
 
-def test_governor_probes_then_chooses_under_the_budget():
+def settle(gov: MemoryGovernor, line, step: int = 0) -> int:
+    """Steps on the machine's memory curve `line` until the governor stops moving its cut; returns the last step."""
+    moved = True
+    while moved:
+        step += 1
+        before = gov.micro_batch
+        gov.after_step(step, line(gov.micro_batch))
+        moved = gov.micro_batch != before or step <= gov.settings.probe_steps
+    return step
+
+
+def test_governor_probes_then_approaches_its_choice_under_the_budget():
     gov = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256)
     line = lambda b: int((400 + 5 * b) * MiB)  # noqa: E731 - the machine's true memory curve
     seen = []
-    for step in range(1, 6):
+    for step in range(1, 7):
         seen.append(gov.micro_batch)
         gov.after_step(step, line(gov.micro_batch))
-    assert seen[:3] == [4, 8, 16]  # increasing probe cuts, smallest first
-    # (0.9 x 1000 - 400) / 5 = 100 samples.
+    # Increasing probe cuts, smallest first; then (0.9 x 1000 - 400) / 5 = 100 samples, at most doubling a step.
+    assert seen == [4, 8, 16, 32, 64, 100]
     assert gov.target == 100 and gov.micro_batch == 100
-    assert gov.events[0]["event"] == "choose"
+    moves = [(e["event"], e["micro_batch_to"]) for e in gov.events]
+    assert moves == [("choose", 32), ("approach", 64), ("approach", 100)]
+    assert "micro-batch 100" in gov.events[0]["reason"]
+
+
+def test_approach_refits_a_slope_the_probes_measured_low():
+    """Probe peaks a few MiB off make the first fit's slope 20% low; the approach's refits land under the budget."""
+    gov = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256)
+    probes = {4: 420, 8: 446, 16: 478}  # the true line is 400 + 5 b: 420, 440, 480
+    line = lambda b: int(probes.get(b, 400 + 5 * b) * MiB)  # noqa: E731
+    last = settle(gov, line)
+    assert gov.events[0]["event"] == "choose" and "micro-batch 121" in gov.events[0]["reason"]  # (900 - 414) / 4
+    # Taken at once, 121 would peak at 1005 MiB, over the budget; approached, the last move starts from cuts
+    # measured on the true line and stops under 90% of it.
+    assert gov.micro_batch == gov.target and line(gov.micro_batch) <= 0.9 * 1000 * MiB
+    assert line(gov.micro_batch) >= 0.85 * 1000 * MiB
+    assert all(e["event"] in ("choose", "approach") for e in gov.events), gov.events
+    gov.after_step(last + 1, line(gov.micro_batch))  # settled: no more moves
+    assert len(gov.events) == 3
+
+
+def test_a_governor_restored_mid_approach_cuts_as_the_uninterrupted_one():
+    line = lambda b: int((400 + 5 * b) * MiB)  # noqa: E731
+    straight = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256)
+    for step in range(1, 5):
+        straight.after_step(step, line(straight.micro_batch))
+    assert straight.micro_batch == 64 and straight.state_dict()["approaching"]
+    restored = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256)
+    restored.load_state_dict(json.loads(json.dumps(straight.state_dict())))  # as a checkpoint carries it
+    for step in range(5, 8):
+        for gov in (straight, restored):
+            gov.after_step(step, line(gov.micro_batch))
+    assert restored.events == straight.events and restored.micro_batch == straight.micro_batch == 100
+    # A checkpoint from before the approach existed has no "approaching": it loads as not approaching.
+    old = {k: v for k, v in straight.state_dict().items() if k != "approaching"}
+    restored.load_state_dict(old)
+    assert restored.micro_batch == 100
 
 
 def test_share_cap_is_the_share_whose_held_samples_fit_beside_a_micro_batch_of_one():
     gov = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256)
     assert gov.share_cap(200, MiB) is None  # nothing measured yet
-    for step in range(1, 5):
-        gov.after_step(step, int((400 + 5 * gov.micro_batch) * MiB))
+    step = settle(gov, lambda b: int((400 + 5 * b) * MiB))
     assert gov.micro_batch == 100
     # The last peak, 900 MiB at micro-batch 100, holds 405 MiB at micro-batch 1: 495 MiB more fit under 900.
     assert gov.share_cap(200, MiB) == 695
     assert gov.share_cap(200, 10 * MiB) == 249
     assert gov.share_cap(200, 0) is None  # held samples that cost nothing cap nothing
-    gov.after_step(5, 940 * MiB)  # the process holds 40 MiB more at the same micro-batch: 40 samples fewer
+    gov.after_step(step + 1, 940 * MiB)  # the process holds 40 MiB more at the same micro-batch: 40 samples fewer
     assert gov.micro_batch == 100 and gov.share_cap(200, MiB) == 655
 
 
 def test_governor_shrinks_on_a_high_peak_or_pressure_and_grows_back():
     settings = GovernorSettings(grow_after=3)
     gov = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256, settings=settings)
+    step = settle(gov, lambda b: int((400 + 5 * b) * MiB))
+    assert gov.micro_batch == 100
+    gov.after_step(step + 1, 500 * MiB, pressure="warn")  # the system is short of memory: shed load
+    assert gov.micro_batch < 100 and gov.events[-1]["event"] == "shrink" and "pressure warn" in gov.events[-1]["reason"]
+    for calm in range(step + 2, step + 5):  # calm again: back to the target
+        gov.after_step(calm, 500 * MiB)
+    assert gov.micro_batch == 100 and gov.events[-1]["event"] == "grow"
+    gov.after_step(step + 5, 990 * MiB)  # a peak above the high-water mark: the fit was optimistic
+    assert gov.micro_batch < 100 and gov.target == gov.micro_batch
+
+
+def test_a_high_peak_during_the_approach_ends_it():
+    gov = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256)
     for step in range(1, 4):
         gov.after_step(step, int((400 + 5 * gov.micro_batch) * MiB))
-    assert gov.micro_batch == 100
-    gov.after_step(4, 500 * MiB, pressure="warn")  # the system is short of memory: shed load
-    assert gov.micro_batch < 100 and gov.events[-1]["event"] == "shrink" and "pressure warn" in gov.events[-1]["reason"]
-    for step in range(5, 8):  # calm again: back to the target
-        gov.after_step(step, 500 * MiB)
-    assert gov.micro_batch == 100 and gov.events[-1]["event"] == "grow"
-    gov.after_step(8, 990 * MiB)  # a peak above the high-water mark: the fit was optimistic
-    assert gov.micro_batch < 100 and gov.target == gov.micro_batch
+    assert gov.micro_batch == 32
+    gov.after_step(4, 980 * MiB)  # 32 samples took far more than the line said
+    assert gov.events[-1]["event"] == "shrink" and gov.micro_batch < 32
+    moved = len(gov.events)
+    gov.after_step(5, 600 * MiB)
+    assert len(gov.events) == moved  # no approach after a shrink; calm steps grow back to the (lowered) target
 
 
 def test_governor_halves_on_out_of_memory_and_refuses_an_impossible_budget():
