@@ -50,8 +50,8 @@ def test_approach_refits_a_slope_the_probes_measured_low():
     line = lambda b: int(probes.get(b, 400 + 5 * b) * MiB)  # noqa: E731
     last = settle(gov, line)
     assert gov.events[0]["event"] == "choose" and "micro-batch 121" in gov.events[0]["reason"]  # (900 - 414) / 4
-    # Taken at once, 121 would peak at 1005 MiB, over the budget; approached, the last move starts from cuts
-    # measured on the true line and stops under 90% of it.
+    # Taken at once, 121 would peak at 1005 MiB, over the budget. Approached, each refit adds a larger cut measured
+    # on the true line, which outweighs the probes, and the last move stops under 90% of the budget.
     assert gov.micro_batch == gov.target and line(gov.micro_batch) <= 0.9 * 1000 * MiB
     assert line(gov.micro_batch) >= 0.85 * 1000 * MiB
     assert all(e["event"] in ("choose", "approach") for e in gov.events), gov.events
