@@ -149,7 +149,7 @@ class MemoryGovernor:
 
     def _refit(self) -> None:
         # The newest point per micro-batch: old peaks at a size predate what the process holds now. The warm-up step
-        # is left out, as in the first fit, unless its cut was measured again.
+        # (the first, where one-time allocations land) is left out unless its cut was measured again.
         latest = dict(self._points[1:] if len(self._points) > 2 else self._points)
         self.fit = fit(sorted(latest.items()))
 
@@ -182,8 +182,8 @@ class MemoryGovernor:
         return self.fit.largest_micro_batch(self.budget_bytes, margin=margin, limit=self.max_micro_batch)
 
     def _choose(self, step: int) -> int:
-        points = self._points[1:] if len(self._points) > 2 else self._points  # drop the warm-up step
-        self.fit = fit(points)
+        self._refit()
+        assert self.fit is not None
         predicted_fixed = self.fit.fixed_bytes
         if predicted_fixed > (1 - self.settings.margin) * self.budget_bytes:
             from raytrm.errors import UserError
