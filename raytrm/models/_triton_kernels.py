@@ -291,7 +291,9 @@ def rope_qkv_backward_kernel(
 #: Warps of a program of the attention kernels (one head, the whole sequence): on an H200 at TRM-attention's Sudoku
 #: shape (768 x 8 heads of 64, 97 positions), the forward took 0.23 ms with 4 against 0.33 with 8 and 5.8 with 2,
 #: the backward 0.48 ms with 8 against 0.82 with 4 or 16. Forward programs of 64, 32 or 16 queries of a head (with
-#: all its keys) took 0.26 ms and more.
+#: all its keys) took 0.26 ms and more. The backward with 8 warps holds 255 registers a thread, one program an SM, and
+#: does not spill; split into programs of 64 keys (dk, dv) and of 64 queries (dq), it took 1.08 ms and more, and with
+#: blocks of 32 it spilled (2026-11-25).
 ATTENTION_WARPS, ATTENTION_BACKWARD_WARPS = 4, 8
 
 
