@@ -288,13 +288,20 @@ def rope_qkv_backward_kernel(
         tl.store(dst + HALF, _rounded(b * c - a * s, dtype, INTERPRETED).to(dtype), mask=mask)
 
 
-#: Warps of a program of the attention kernels (one head, the whole sequence): on an H200 at TRM-attention's Sudoku
-#: shape (768 x 8 heads of 64, 97 positions), the forward took 0.23 ms with 4 against 0.33 with 8 and 5.8 with 2,
-#: the backward 0.48 ms with 8 against 0.82 with 4 or 16. Forward programs of 64, 32 or 16 queries of a head (with
-#: all its keys) took 0.26 ms and more. The backward with 8 warps holds 255 registers a thread, one program an SM, and
-#: does not spill; split into programs of 64 keys (dk, dv) and of 64 queries (dq), it took 1.08 ms and more, and with
-#: blocks of 32 it spilled (2026-11-25).
-ATTENTION_WARPS, ATTENTION_BACKWARD_WARPS = 4, 8
+#: How the attention kernels run: (programs per multiprocessor, warps a program, pipeline stages). A program takes a
+#: head at a time, its whole sequence on chip, and then the head num_programs further on, with the loads of its next
+#: heads in flight while it computes one; the RoPE tables are loaded once a program. Measured on an H100 at
+#: TRM-attention's Sudoku shape (768 x 8 heads of 64, 97 positions; 2026-11-25, build scripts timing medians of
+#: do_bench over three inputs in turn):
+#: - forward 0.168 to 0.172 ms, against 0.217 to 0.219 for a program per head and for inductor's rotation with
+#:   cuDNN's forward. Slower: 2 stages (0.22 ms), 4 warps (spilled), 16 warps (capped at 128 registers, 0.22 ms),
+#:   the tables loaded for each head (0.20 ms), each head's queries in two blocks of 64 (spilled, 0.29 ms).
+#: - backward 0.435 ms against 0.492, with 2 stages and each gradient stored as soon as it is computed (stored
+#:   together at the end, 0.478 ms). Slower: 1 stage (0.45 ms), 3 (1.24 ms or over the shared memory), 16 warps
+#:   (spilled, 1.1 ms and more), queries in blocks of 64 or 32 (spilled, 1.0 ms and more).
+#: Two to four programs a multiprocessor took the same time as one: a program holds most of its registers.
+ATTENTION_FORWARD = (1, 8, 3)
+ATTENTION_BACKWARD = (1, 8, 2)
 
 
 @triton.jit
@@ -309,91 +316,109 @@ def _rotated(x1, x2, c, s, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _head_columns(part, H, HALF: tl.constexpr):
-    """The columns of this program's head in q, k or v (part 0, 1, 2) of qkv, or in the attention's output (part 0)."""
-    return (part * H + tl.program_id(0) % H) * (2 * HALF) + tl.arange(0, 2 * HALF)[None, :]
+def _head_columns(head, part, H, HALF: tl.constexpr):
+    """The columns of a head (batch * H + head's index) in q, k or v (part 0, 1, 2) of qkv, or in the attention's
+    output (part 0)."""
+    return (part * H + head % H) * (2 * HALF) + tl.arange(0, 2 * HALF)[None, :]
+
+
+@triton.jit
+def _tables(cos_ptr, sin_ptr, L, table_stride, BLOCK_L: tl.constexpr, HALF: tl.constexpr):
+    """The first halves of the rotate-half tables for positions [0, BLOCK_L) (zero from L), fp32: c and s."""
+    positions = tl.arange(0, BLOCK_L)[:, None]
+    table = positions * table_stride + tl.arange(0, HALF)[None, :]
+    c = tl.load(cos_ptr + table, mask=positions < L, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + table, mask=positions < L, other=0.0).to(tl.float32)
+    return c, s
 
 
 @triton.jit
 def _attention_head(
-    qkv_ptr, cos_ptr, sin_ptr, L, H, table_stride, scale, BLOCK_L: tl.constexpr, HALF: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    head, qkv_ptr, c, s, L, H, scale, BLOCK_L: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """This program's head of qkv [batch * L, 3 * H * 2 * HALF] (program batch * H + head), on chip: the positions,
-    their tokens' rows (int64, [BLOCK_L, 1]) and the mask of those inside L; q's and k's halves rotated by position
-    (dot operands), v, the tables' halves c and s, and the scores q k^T * scale in log2 units (padded keys at -inf)."""
+    """A head of qkv [batch * L, 3 * H * 2 * HALF] (its index batch * H + head), on chip: the positions, their
+    tokens' rows (int64, [BLOCK_L, 1]) and the mask of those inside L; q's and k's halves rotated by position with
+    the tables' halves c and s (dot operands), v, and the scores q k^T * scale in log2 units (padded keys at -inf)."""
     positions = tl.arange(0, BLOCK_L)
-    tokens = ((tl.program_id(0) // H) * L + positions).to(tl.int64)[:, None]
+    tokens = ((head // H) * L + positions).to(tl.int64)[:, None]
     mask = (positions < L)[:, None]
     d = tl.arange(0, HALF)[None, :]
-    table = positions[:, None] * table_stride + d
-    c = tl.load(cos_ptr + table, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + table, mask=mask, other=0.0).to(tl.float32)
-    q = qkv_ptr + tokens * (6 * H * HALF) + (tl.program_id(0) % H) * (2 * HALF) + d
+    q = qkv_ptr + tokens * (6 * H * HALF) + (head % H) * (2 * HALF) + d
     k = q + H * (2 * HALF)
     q1, q2 = _rotated(tl.load(q, mask=mask, other=0.0), tl.load(q + HALF, mask=mask, other=0.0), c, s, INTERPRETED)
     k1, k2 = _rotated(tl.load(k, mask=mask, other=0.0), tl.load(k + HALF, mask=mask, other=0.0), c, s, INTERPRETED)
-    v = tl.load(qkv_ptr + tokens * (6 * H * HALF) + _head_columns(2, H, HALF), mask=mask, other=0.0)
+    v = tl.load(qkv_ptr + tokens * (6 * H * HALF) + _head_columns(head, 2, H, HALF), mask=mask, other=0.0)
     scores = tl.dot(q2, tl.trans(k2), tl.dot(q1, tl.trans(k1))) * (scale * 1.4426950408889634)
     scores = tl.where((positions < L)[None, :], scores, float("-inf"))
-    return positions, tokens, mask, q1, q2, k1, k2, v, c, s, scores
+    return positions, tokens, mask, q1, q2, k1, k2, v, scores
 
 
 @triton.jit
 def rope_attention_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, out_ptr, lse_ptr, L, H, table_stride, scale, BLOCK_L: tl.constexpr,
-    HALF: tl.constexpr, INTERPRETED: tl.constexpr,
+    qkv_ptr, cos_ptr, sin_ptr, out_ptr, lse_ptr, heads, L, H, table_stride, scale, BLOCK_L: tl.constexpr,
+    HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """out [batch * L, H * 2 * HALF] = softmax(q k^T * scale) v for one head a program (batch * H + head), the whole
-    sequence (L <= BLOCK_L) on chip, q and k rotated by position on the way in; lse [batch * H, BLOCK_L] the rows'
-    log2-sum-exp2 of the scores in log2 units, for the backward. The probabilities are rounded to qkv's dtype for
-    the second product (as flash attention's kernels do), and their sum divides its fp32 result."""
-    positions, tokens, mask, _, _, _, _, v, _, _, scores = _attention_head(
-        qkv_ptr, cos_ptr, sin_ptr, L, H, table_stride, scale, BLOCK_L, HALF, INTERPRETED
-    )
-    dtype = v.dtype
-    top = tl.max(scores, 1)
-    p = tl.exp2(scores - top[:, None])
-    total = tl.sum(p, 1)
-    p = _operand(_rounded(p, dtype, INTERPRETED).to(dtype), INTERPRETED)
-    out = tl.dot(p, _operand(v, INTERPRETED)) / total[:, None]
-    out = _rounded(out, dtype, INTERPRETED).to(dtype)
-    tl.store(out_ptr + tokens * (2 * H * HALF) + _head_columns(0, H, HALF), out, mask=mask)
-    tl.store(lse_ptr + tl.program_id(0) * BLOCK_L + positions, top + tl.log2(total))
+    """out [batch * L, H * 2 * HALF] = softmax(q k^T * scale) v, a head at a time (heads = batch * H of them, the
+    program's every num_programs-th, the loads of the next STAGES - 1 in flight), the whole sequence (L <= BLOCK_L)
+    on chip, q and k rotated by position on the way in; lse [batch * H, BLOCK_L] the rows' log2-sum-exp2 of the
+    scores in log2 units, for the backward. The probabilities are rounded to qkv's dtype for the second product (as
+    flash attention's kernels do), and their sum divides its fp32 result."""
+    c, s = _tables(cos_ptr, sin_ptr, L, table_stride, BLOCK_L, HALF)
+    for head in tl.range(tl.program_id(0), heads, tl.num_programs(0), num_stages=STAGES):
+        positions, tokens, mask, _, _, _, _, v, scores = _attention_head(
+            head, qkv_ptr, c, s, L, H, scale, BLOCK_L, HALF, INTERPRETED
+        )
+        dtype = v.dtype
+        top = tl.max(scores, 1)
+        p = tl.exp2(scores - top[:, None])
+        total = tl.sum(p, 1)
+        p = _operand(_rounded(p, dtype, INTERPRETED).to(dtype), INTERPRETED)
+        out = tl.dot(p, _operand(v, INTERPRETED)) / total[:, None]
+        out = _rounded(out, dtype, INTERPRETED).to(dtype)
+        tl.store(out_ptr + tokens * (2 * H * HALF) + _head_columns(head, 0, H, HALF), out, mask=mask)
+        tl.store(lse_ptr + head * BLOCK_L + positions, top + tl.log2(total))
+
+
+@triton.jit
+def _store_rotated_back(ptr, g1, g2, c, s, mask, HALF: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The halves g1, g2 (fp32) of a gradient of rotated q or k rotated back (by -angle) and rounded once, stored at
+    ptr (the first half's columns) and HALF after it."""
+    dtype = ptr.dtype.element_ty
+    tl.store(ptr, _rounded(g1 * c + g2 * s, dtype, INTERPRETED).to(dtype), mask=mask)
+    tl.store(ptr + HALF, _rounded(g2 * c - g1 * s, dtype, INTERPRETED).to(dtype), mask=mask)
 
 
 @triton.jit
 def rope_attention_backward_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, out_ptr, grad_ptr, lse_ptr, grad_qkv_ptr, L, H, table_stride, scale,
-    BLOCK_L: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
+    qkv_ptr, cos_ptr, sin_ptr, out_ptr, grad_ptr, lse_ptr, grad_qkv_ptr, heads, L, H, table_stride, scale,
+    BLOCK_L: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """grad_qkv [batch * L, 3 * H * 2 * HALF] from grad, the gradient of rope_attention_kernel's out, for one head a
-    program: the probabilities recomputed from lse, the gradients of v, of the scores and of the rotated q and k in
-    fp32 (products of operands rounded to qkv's dtype), q's and k's rotated back (by -angle) and rounded once."""
-    positions, tokens, mask, q1, q2, k1, k2, v, c, s, scores = _attention_head(
-        qkv_ptr, cos_ptr, sin_ptr, L, H, table_stride, scale, BLOCK_L, HALF, INTERPRETED
-    )
-    dtype = v.dtype
+    """grad_qkv [batch * L, 3 * H * 2 * HALF] from grad, the gradient of rope_attention_kernel's out, a head at a
+    time as there: the probabilities recomputed from lse, the gradients of v, of the scores and of the rotated q and
+    k in fp32 (products of operands rounded to qkv's dtype), q's and k's rotated back (by -angle) and rounded
+    once."""
+    c, s = _tables(cos_ptr, sin_ptr, L, table_stride, BLOCK_L, HALF)
     width = 6 * H * HALF
-    rows = tokens * (width // 3) + _head_columns(0, H, HALF)
-    out = tl.load(out_ptr + rows, mask=mask, other=0.0)
-    grad = tl.load(grad_ptr + rows, mask=mask, other=0.0)
-    # d softmax: p * (dp - delta), delta the rows' grad . out.
-    delta = tl.sum(grad.to(tl.float32) * out.to(tl.float32), 1)
-    p = tl.exp2(scores - tl.load(lse_ptr + tl.program_id(0) * BLOCK_L + positions)[:, None])
-    grad = _operand(grad, INTERPRETED)
-    p_t = tl.trans(_operand(_rounded(p, dtype, INTERPRETED).to(dtype), INTERPRETED))
-    grad_v = tl.dot(p_t, grad)
-    dp = tl.dot(grad, tl.trans(_operand(v, INTERPRETED)))
-    ds = _operand(_rounded(p * (dp - delta[:, None]), dtype, INTERPRETED).to(dtype), INTERPRETED)
-    ds_t = tl.trans(ds)
-    dq1, dq2 = tl.dot(ds, k1) * scale, tl.dot(ds, k2) * scale
-    dk1, dk2 = tl.dot(ds_t, q1) * scale, tl.dot(ds_t, q2) * scale
-    q = grad_qkv_ptr + tokens * width + (tl.program_id(0) % H) * (2 * HALF) + tl.arange(0, HALF)[None, :]
-    k = q + H * (2 * HALF)
-    tl.store(q, _rounded(dq1 * c + dq2 * s, dtype, INTERPRETED).to(dtype), mask=mask)
-    tl.store(q + HALF, _rounded(dq2 * c - dq1 * s, dtype, INTERPRETED).to(dtype), mask=mask)
-    tl.store(k, _rounded(dk1 * c + dk2 * s, dtype, INTERPRETED).to(dtype), mask=mask)
-    tl.store(k + HALF, _rounded(dk2 * c - dk1 * s, dtype, INTERPRETED).to(dtype), mask=mask)
-    grad_v = _rounded(grad_v, dtype, INTERPRETED).to(dtype)
-    tl.store(grad_qkv_ptr + tokens * width + _head_columns(2, H, HALF), grad_v, mask=mask)
+    for head in tl.range(tl.program_id(0), heads, tl.num_programs(0), num_stages=STAGES):
+        positions, tokens, mask, q1, q2, k1, k2, v, scores = _attention_head(
+            head, qkv_ptr, c, s, L, H, scale, BLOCK_L, HALF, INTERPRETED
+        )
+        dtype = v.dtype
+        rows = tokens * (width // 3) + _head_columns(head, 0, H, HALF)
+        out = tl.load(out_ptr + rows, mask=mask, other=0.0)
+        grad = tl.load(grad_ptr + rows, mask=mask, other=0.0)
+        # d softmax: p * (dp - delta), delta the rows' grad . out.
+        delta = tl.sum(grad.to(tl.float32) * out.to(tl.float32), 1)
+        p = tl.exp2(scores - tl.load(lse_ptr + head * BLOCK_L + positions)[:, None])
+        grad = _operand(grad, INTERPRETED)
+        # Each gradient is stored as soon as it is computed (v's, q's, then k's), so fewer values are held at once.
+        p_t = tl.trans(_operand(_rounded(p, dtype, INTERPRETED).to(dtype), INTERPRETED))
+        grad_v = _rounded(tl.dot(p_t, grad), dtype, INTERPRETED).to(dtype)
+        tl.store(grad_qkv_ptr + tokens * width + _head_columns(head, 2, H, HALF), grad_v, mask=mask)
+        dp = tl.dot(grad, tl.trans(_operand(v, INTERPRETED)))
+        ds = _operand(_rounded(p * (dp - delta[:, None]), dtype, INTERPRETED).to(dtype), INTERPRETED)
+        q = grad_qkv_ptr + tokens * width + (head % H) * (2 * HALF) + tl.arange(0, HALF)[None, :]
+        _store_rotated_back(q, tl.dot(ds, k1) * scale, tl.dot(ds, k2) * scale, c, s, mask, HALF, INTERPRETED)
+        ds_t = tl.trans(ds)
+        k = q + H * (2 * HALF)
+        _store_rotated_back(k, tl.dot(ds_t, q1) * scale, tl.dot(ds_t, q2) * scale, c, s, mask, HALF, INTERPRETED)
