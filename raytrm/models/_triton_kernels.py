@@ -179,6 +179,15 @@ def swiglu_gate_backward_kernel(
     tl.store(grad_gate_up_ptr + offset + up_offset, grad_up.to(dtype), mask=mask)
 
 
+@triton.jit
+def _store_rotated_back(ptr, g1, g2, c, s, mask, HALF: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The halves g1, g2 (fp32) of a gradient of rotated q or k rotated back (by -angle) and rounded once, stored at
+    ptr (the first half's columns) and HALF after it."""
+    dtype = ptr.dtype.element_ty
+    tl.store(ptr, _rounded(g1 * c + g2 * s, dtype, INTERPRETED).to(dtype), mask=mask)
+    tl.store(ptr + HALF, _rounded(g2 * c - g1 * s, dtype, INTERPRETED).to(dtype), mask=mask)
+
+
 #: Tokens per program of the RoPE kernels (each takes every head of one of q, k and v).
 ROPE_BLOCK_T = 16
 
@@ -279,13 +288,10 @@ def rope_qkv_backward_kernel(
         tl.store(dst, g1, mask=mask)
         tl.store(dst + HALF, g2, mask=mask)
     else:
-        dtype = g1.dtype
         row = position * table_stride + d
         c = tl.load(cos_ptr + row, mask=mask).to(tl.float32)
         s = tl.load(sin_ptr + row, mask=mask).to(tl.float32)
-        a, b = g1.to(tl.float32), g2.to(tl.float32)
-        tl.store(dst, _rounded(a * c + b * s, dtype, INTERPRETED).to(dtype), mask=mask)
-        tl.store(dst + HALF, _rounded(b * c - a * s, dtype, INTERPRETED).to(dtype), mask=mask)
+        _store_rotated_back(dst, g1.to(tl.float32), g2.to(tl.float32), c, s, mask, HALF, INTERPRETED)
 
 
 #: How the attention kernels run: (programs per multiprocessor, warps a program, pipeline stages). A program takes a
@@ -377,15 +383,6 @@ def rope_attention_kernel(
         out = _rounded(out, dtype, INTERPRETED).to(dtype)
         tl.store(out_ptr + tokens * (2 * H * HALF) + _head_columns(head, 0, H, HALF), out, mask=mask)
         tl.store(lse_ptr + head * BLOCK_L + positions, top + tl.log2(total))
-
-
-@triton.jit
-def _store_rotated_back(ptr, g1, g2, c, s, mask, HALF: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The halves g1, g2 (fp32) of a gradient of rotated q or k rotated back (by -angle) and rounded once, stored at
-    ptr (the first half's columns) and HALF after it."""
-    dtype = ptr.dtype.element_ty
-    tl.store(ptr, _rounded(g1 * c + g2 * s, dtype, INTERPRETED).to(dtype), mask=mask)
-    tl.store(ptr + HALF, _rounded(g2 * c - g1 * s, dtype, INTERPRETED).to(dtype), mask=mask)
 
 
 @triton.jit
