@@ -40,6 +40,25 @@ def _sigmoid(v, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _gated(gate, up, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """silu(gate) * up (fp32), rounded to dtype where the plain formula rounds: silu(gate), then the product."""
+    silu = _rounded(gate * _sigmoid(gate, INTERPRETED), dtype, INTERPRETED)
+    return _rounded(silu * up, dtype, INTERPRETED)
+
+
+@triton.jit
+def _gate_gradients(gate, up, g, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The gradients of silu(gate) * up (fp32 operands) for its gradient g: d gate = (g * up) * s * (1 + gate *
+    (1 - s)) and d up = silu(gate) * g, with s = sigmoid(gate), rounded where the plain formulas' backward rounds
+    (g * up, silu(gate) and each result)."""
+    s = _sigmoid(gate, INTERPRETED)
+    g_up = _rounded(g * up, dtype, INTERPRETED)
+    grad_gate = _rounded(g_up * s * (1 + gate * (1 - s)), dtype, INTERPRETED)
+    grad_up = _rounded(_rounded(gate * s, dtype, INTERPRETED) * g, dtype, INTERPRETED)
+    return grad_gate, grad_up
+
+
+@triton.jit
 def _operand(v, INTERPRETED: tl.constexpr):
     """v as an operand of tl.dot."""
     if INTERPRETED:
@@ -95,11 +114,10 @@ def mix_positions_norm_kernel(
         w_gate = tl.load(w_gate_up_t_ptr + rows[:, None] * (2 * I) + k[None, :])  # [BLOCK_L, BLOCK_I]
         w_up = tl.load(w_gate_up_t_ptr + rows[:, None] * (2 * I) + (k + I)[None, :])
         w_down = tl.load(w_down_t_ptr + k[:, None] * BLOCK_L + rows[None, :])  # [BLOCK_I, BLOCK_L]
-        # Rounded where the plain formula rounds: the projection, silu(gate), and their product.
+        # Rounded where the plain formula rounds: the projection, then the gate (_gated).
         gate = _rounded(tl.dot(x_operand, _operand(w_gate, INTERPRETED)), dtype, INTERPRETED)
         up = _rounded(tl.dot(x_operand, _operand(w_up, INTERPRETED)), dtype, INTERPRETED)
-        silu = _rounded(gate * _sigmoid(gate, INTERPRETED), dtype, INTERPRETED)
-        h = _rounded(silu * up, dtype, INTERPRETED).to(dtype)
+        h = _gated(gate, up, dtype, INTERPRETED).to(dtype)
         acc = tl.dot(_operand(h, INTERPRETED), _operand(w_down, INTERPRETED), acc)
     # The residual adds in the states' dtype; the norm over positions accumulates in fp32.
     s = _rounded(x.to(tl.float32) + _rounded(acc, dtype, INTERPRETED), dtype, INTERPRETED)
@@ -145,8 +163,7 @@ def swiglu_gate_kernel(
     offset = r[:, None] * row_stride + c[None, :]
     gate = tl.load(gate_up_ptr + offset, mask=mask).to(tl.float32)
     up = tl.load(gate_up_ptr + offset + up_offset, mask=mask).to(tl.float32)
-    silu = _rounded(gate * _sigmoid(gate, INTERPRETED), dtype, INTERPRETED)
-    tl.store(out_ptr + r[:, None] * C + c[None, :], _rounded(silu * up, dtype, INTERPRETED).to(dtype), mask=mask)
+    tl.store(out_ptr + r[:, None] * C + c[None, :], _gated(gate, up, dtype, INTERPRETED).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -162,19 +179,15 @@ def swiglu_gate_backward_kernel(
     BLOCK_C: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """The gradient of swiglu_gate_kernel's output with respect to gate_up, laid out as gate_up (same tiles):
-    d gate = (g * up) * s * (1 + gate * (1 - s)) and d up = silu(gate) * g, with s = sigmoid(gate), rounded where
-    the plain formulas' backward rounds (g * up, silu(gate) and each result)."""
+    """The gradient of swiglu_gate_kernel's output with respect to gate_up, laid out as gate_up (same tiles; the
+    formulas are _gate_gradients')."""
     dtype = grad_gate_up_ptr.dtype.element_ty
     r, c, mask = _gate_tile(tl.program_id(0), R, C, BLOCK_R, BLOCK_C)
     offset = r[:, None] * row_stride + c[None, :]
     gate = tl.load(gate_up_ptr + offset, mask=mask).to(tl.float32)
     up = tl.load(gate_up_ptr + offset + up_offset, mask=mask).to(tl.float32)
     g = tl.load(grad_ptr + r[:, None] * C + c[None, :], mask=mask).to(tl.float32)
-    s = _sigmoid(gate, INTERPRETED)
-    g_up = _rounded(g * up, dtype, INTERPRETED)
-    grad_gate = _rounded(g_up * s * (1 + gate * (1 - s)), dtype, INTERPRETED)
-    grad_up = _rounded(_rounded(gate * s, dtype, INTERPRETED) * g, dtype, INTERPRETED)
+    grad_gate, grad_up = _gate_gradients(gate, up, g, dtype, INTERPRETED)
     tl.store(grad_gate_up_ptr + offset, grad_gate.to(dtype), mask=mask)
     tl.store(grad_gate_up_ptr + offset + up_offset, grad_up.to(dtype), mask=mask)
 
