@@ -339,7 +339,12 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(inner, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_gate(self.gate_up_proj(x), dim=-1))
+        gate_up = self.gate_up_proj(x)
+        w_down = self.down_proj.weight
+        if self.down_proj.bias is None and kernels.fused_swiglu_down_available(gate_up, w_down.shape):
+            # On CUDA: the gate inside the down projection's product (forward) or its epilogue (backward).
+            return kernels.swiglu_down(gate_up, cast(w_down, gate_up.dtype))
+        return self.down_proj(swiglu_gate(gate_up, dim=-1))
 
     def forward_columns(self, x: torch.Tensor) -> torch.Tensor:
         """The same map applied to every column of a 2-D x [hidden, N], i.e. forward(x.T).T without transposes.

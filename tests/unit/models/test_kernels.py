@@ -136,6 +136,70 @@ def test_the_gate_operator_equals_the_plain_formulas_forward_and_backward_in_tri
     run_interpreted(GATE_SCRIPT)
 
 
+def test_the_swiglu_down_operator_serves_contiguous_half_precision_with_widths_in_multiples_of_64(monkeypatch):
+    monkeypatch.setattr(kernels, "_registered", True)
+    monkeypatch.setattr(kernels, "_INTERPRETED", True)
+    gate_up = torch.zeros(6, 4, 2 * 128, dtype=torch.bfloat16)
+    assert kernels.fused_swiglu_down_available(gate_up, (64, 128))
+    with torch.no_grad():
+        assert kernels.fused_swiglu_down_available(gate_up, (64, 128))  # with or without a graph
+    assert not kernels.fused_swiglu_down_available(gate_up, (64, 96))  # gate_up is not [gate | up] of this inner
+    assert not kernels.fused_swiglu_down_available(torch.zeros(6, 2 * 96, dtype=torch.bfloat16), (64, 96))
+    assert not kernels.fused_swiglu_down_available(gate_up, (48, 128))  # out no multiple of 64
+    assert not kernels.fused_swiglu_down_available(gate_up.transpose(0, 1), (64, 128))
+    assert not kernels.fused_swiglu_down_available(gate_up.float(), (64, 128))
+    monkeypatch.setattr(kernels, "_INTERPRETED", False)
+    assert not kernels.fused_swiglu_down_available(gate_up, (64, 128))  # on a CPU without the interpreter
+
+
+SWIGLU_DOWN_SCRIPT = """
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+from raytrm.models import kernels
+from raytrm.models.layers import SwiGLU, _SwiGLUGate
+
+assert kernels.register()
+torch.manual_seed(0)
+# Rows and widths that are no multiple of a tile, and a batch of rows in three dimensions.
+for shape, out, inner in (((37,), 64, 128), ((5,), 128, 192), ((2, 65), 64, 64)):
+    gate_up = (2 * torch.randn(*shape, 2 * inner)).bfloat16()
+    w = (torch.randn(out, inner) * inner**-0.5).bfloat16()
+    assert kernels.fused_swiglu_down_available(gate_up, w.shape)
+    ours, plain = gate_up.clone().requires_grad_(), gate_up.clone().requires_grad_()
+    w_ours, w_plain = w.clone().requires_grad_(), w.clone().requires_grad_()
+    with FlopCounterMode(display=False) as counted_ours:
+        y = kernels.swiglu_down(ours, w_ours)
+        grad = torch.randn_like(y)
+        y.backward(grad)
+    with FlopCounterMode(display=False) as counted_plain:
+        expected = F.linear(_SwiGLUGate.apply(plain, -1), w_plain)  # the CPU's bf16 formulas
+        expected.backward(grad)
+    with torch.no_grad():
+        y_no_grad = kernels.swiglu_down(gate_up, w)  # the gate inside the product
+    assert counted_ours.get_total_flops() == counted_plain.get_total_flops() > 0
+    pairs = ((y, expected), (y_no_grad, expected), (ours.grad, plain.grad), (w_ours.grad, w_plain.grad))
+    for a, b in pairs:
+        assert a.shape == b.shape and a.dtype == b.dtype
+        off = (a.float() - b.float()).abs()
+        # Equal but for the odd element a bf16 step apart (fp32 sums in another order, then rounded).
+        assert (off > 0).float().mean() < 0.02 and (off <= b.float().abs() * 2**-7 + 1e-30).all(), (shape, off.max())
+    # SwiGLU's forward takes the operator where it serves.
+    mlp = SwiGLU(out, 2.0)
+    x = torch.randn(3, out).bfloat16()
+    with FlopCounterMode(display=False) as counted:
+        y = mlp(x)
+    assert torch.ops.raytrm.swiglu_down_keeping_gate in counted.get_flop_counts()["Global"]
+    assert torch.equal(y, F.linear(_SwiGLUGate.apply(mlp.gate_up_proj(x), -1), mlp.down_proj.weight.bfloat16()))
+print("OK")
+"""
+
+
+@interpretable
+def test_the_swiglu_down_operator_equals_the_plain_formulas_forward_and_backward_in_tritons_interpreter():
+    run_interpreted(SWIGLU_DOWN_SCRIPT)
+
+
 def test_the_rope_operator_serves_contiguous_projections_but_compiled_no_grad_rounds(monkeypatch):
     monkeypatch.setattr(kernels, "_registered", True)
     monkeypatch.setattr(kernels, "_INTERPRETED", True)
@@ -455,6 +519,31 @@ def test_on_cuda_the_gate_operator_equals_the_plain_formulas_eager_and_compiled(
         for a, b in ((out, plain), (ours.grad, expected.grad)):
             off = (a.float() - b.float()).abs()
             # Within a bf16 step where CUDA's fused multiply-adds round otherwise than the eager kernels.
+            assert (off <= b.float().abs() * 2**-7 + 1e-30).all() and (off > 0).float().mean() < 0.05, off.max()
+
+
+@needs_cuda
+@needs_triton
+def test_on_cuda_the_swiglu_down_operator_equals_the_plain_formulas_eager_and_compiled():
+    from raytrm.models.layers import _SwiGLUGate
+
+    assert kernels.register()
+    torch.manual_seed(0)
+    gate_up = (2 * torch.randn(96, 97, 2 * 1536, device="cuda")).bfloat16()
+    w = (torch.randn(512, 1536, device="cuda") * 1536**-0.5).bfloat16()
+    plain, w_plain = gate_up.clone().requires_grad_(), w.clone().requires_grad_()
+    expected = F.linear(_SwiGLUGate.apply(plain, -1), w_plain)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    for down in (kernels.swiglu_down, torch.compile(kernels.swiglu_down, fullgraph=True)):
+        ours, w_ours = gate_up.clone().requires_grad_(), w.clone().requires_grad_()
+        y = down(ours, w_ours)
+        y.backward(grad)
+        with torch.no_grad():
+            y_no_grad = down(gate_up, w)
+        for a, b in ((y, expected), (y_no_grad, expected), (ours.grad, plain.grad), (w_ours.grad, w_plain.grad)):
+            off = (a.float() - b.float()).abs()
+            # Within a bf16 step where sums run in another order or fused multiply-adds round otherwise.
             assert (off <= b.float().abs() * 2**-7 + 1e-30).all() and (off > 0).float().mean() < 0.05, off.max()
 
 
