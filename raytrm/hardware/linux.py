@@ -38,6 +38,25 @@ def parse_cpuinfo(text: str) -> str:
     return ""
 
 
+def parse_cpu_vendor(text: str) -> str:
+    """The CPU's maker from /proc/cpuinfo's vendor_id ('AuthenticAMD', 'GenuineIntel'; x86 only), or ''."""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
+def cpu_vendor(root: str = "/") -> str:
+    """This x86 CPU's maker: /proc/cpuinfo's vendor_id, else the vendor string in platform.processor() (Windows
+    names it there); '' where neither says."""
+    vendor = parse_cpu_vendor(_read(str(Path(root) / "proc/cpuinfo")))
+    if vendor:
+        return vendor
+    processor = platform.processor()
+    return next((v for v in ("AuthenticAMD", "GenuineIntel") if v in processor), "")
+
+
 def parse_os_release(text: str) -> str:
     """PRETTY_NAME from /etc/os-release, unquoted."""
     for line in text.splitlines():

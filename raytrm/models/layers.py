@@ -188,7 +188,7 @@ def swiglu_width(hidden_size: int, expansion: float) -> int:
 class Linear(nn.Module):
     """Linear layer with truncated LeCun-normal init (std 1/sqrt(fan_in)); bias, if any, starts at zero.
 
-    In fp32 on an x86-64 CPU its products run on oneDNN (raytrm.models.onednn), faster than MKL's there.
+    In fp32 on an AMD x86-64 CPU its products run on oneDNN (raytrm.models.onednn), faster than MKL's there.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:

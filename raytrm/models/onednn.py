@@ -1,12 +1,13 @@
-"""Linear layers on oneDNN's matrix products, for fp32 on x86-64 CPUs.
+"""Linear layers on oneDNN's matrix products, for fp32 on AMD's x86-64 CPUs.
 
 On a CPU, torch.mm (and so F.linear and autograd's products) runs MKL's sgemm. PyTorch's x86-64 wheels carry
 oneDNN too (torch.backends.mkldnn), whose just-in-time kernels ran TRM's products 10-17% faster on this project's
 AMD EPYC (Zen 4) machine, one thread each: 111-114 GFLOP/s against MKL's 95-103 at every forward shape of TRM at
-hidden 256 and 512, and at 2048^3 (README Performance). So a Linear's forward, and the gradient of its input, run
-on oneDNN's `_linear_pointwise` (the op inductor uses for CPU linears) with the weight packed into oneDNN's layout
-once for each value it takes; the weight's gradient stays on MKL, where oneDNN's form (both operands strided) was
-no faster.
+hidden 256 and 512, and at 2048^3 (README Performance). So there a Linear's forward, and the gradient of its input,
+run on oneDNN's `_linear_pointwise` (the op inductor uses for CPU linears) with the weight packed into oneDNN's
+layout once for each value it takes; the weight's gradient stays on MKL, where oneDNN's form (both operands strided)
+was no faster. On an Intel Xeon MKL, Intel's own, was as fast or faster (oneDNN / MKL 0.84 to 1.15 over the same
+shapes, medians 0.96 on one thread and 1.01 on two), so Intel's CPUs, and CPUs whose maker is unknown, keep MKL.
 
 The products sum in another order than MKL's, so results agree with F.linear within fp32 rounding, not to the bit.
 Elsewhere (other dtypes, GPUs, Apple Silicon's CPUs, under torch.compile, which packs its own weights) a Linear is
@@ -22,18 +23,37 @@ import torch
 import torch.nn.functional as F
 
 from raytrm.hardware import device as devices
+from raytrm.hardware import linux
 
-#: This torch has oneDNN's linear on an x86-64 CPU. Tests turn it off to compare with MKL.
-ENABLED = (
-    platform.machine().lower() in ("x86_64", "amd64")
-    and torch.backends.mkldnn.is_available()
-    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+#: The CPU maker whose CPUs ran TRM's products faster on oneDNN than on MKL (the module's docstring).
+FASTER_ON = "AuthenticAMD"
+
+
+def why_not(machine: str, has_linear: bool, vendor: str) -> str | None:
+    """Why oneDNN's linear does not serve a CPU, or None where it does: an x86-64 CPU made by FASTER_ON's maker,
+    with a torch that has the op (has_linear)."""
+    if machine.lower() not in ("x86_64", "amd64"):
+        return f"oneDNN's linear needs an x86-64 CPU; this is {machine}"
+    if not has_linear:
+        return "this torch has no oneDNN linear"
+    if vendor != FASTER_ON:
+        return f"oneDNN's linear beat MKL on AMD's CPUs only; this one is {vendor or 'of an unknown maker'}"
+    return None
+
+
+#: Why oneDNN's linear does not serve this machine (None where it does), and whether it does. Tests turn ENABLED off
+#: to compare with MKL.
+WHY_NOT = why_not(
+    platform.machine(),
+    torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"),
+    linux.cpu_vendor(),
 )
+ENABLED = WHY_NOT is None
 
 
 def on() -> bool:
-    """Whether this process's fp32 CPU linear layers run on oneDNN: it is here, and torch's oneDNN is not turned off
-    (torch.backends.mkldnn.flags(enabled=False))."""
+    """Whether this process's fp32 CPU linear layers run on oneDNN: it serves this CPU (ENABLED), and torch's oneDNN
+    is not turned off (torch.backends.mkldnn.flags(enabled=False))."""
     return ENABLED and torch.backends.mkldnn.enabled
 
 
@@ -54,10 +74,10 @@ def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def reason() -> str:
     """One line on where a CPU's fp32 products run, for the log."""
     if not ENABLED:
-        return f"torch.mm's BLAS for all (oneDNN's linear needs an x86-64 CPU; this is {platform.machine()})"
+        return f"torch.mm's BLAS for all ({WHY_NOT or 'oneDNN linear layers are turned off'})"
     if not torch.backends.mkldnn.enabled:
         return "torch.mm's BLAS for all (torch's oneDNN is turned off)"
-    return "linear layers on oneDNN, the rest on torch.mm's BLAS (x86-64; raytrm.models.onednn says why)"
+    return "linear layers on oneDNN, the rest on torch.mm's BLAS (an AMD x86-64 CPU; raytrm.models.onednn says why)"
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -31,6 +31,19 @@ def test_cpuinfo_names():
     assert linux.parse_cpuinfo("") == ""
 
 
+def test_cpu_vendor_from_cpuinfo_or_the_processor_string(tmp_path, monkeypatch):
+    assert linux.parse_cpu_vendor(CPUINFO_X86) == "AuthenticAMD"
+    assert linux.parse_cpu_vendor(CPUINFO_ARM) == ""  # Arm's cpuinfo names no vendor_id
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "cpuinfo").write_text(CPUINFO_X86)
+    assert linux.cpu_vendor(str(tmp_path)) == "AuthenticAMD"
+    # Without /proc (Windows), the processor string: "Intel64 Family 6 Model 143 Stepping 8, GenuineIntel".
+    monkeypatch.setattr(linux.platform, "processor", lambda: "Intel64 Family 6 Model 143 Stepping 8, GenuineIntel")
+    assert linux.cpu_vendor(str(tmp_path / "nowhere")) == "GenuineIntel"
+    monkeypatch.setattr(linux.platform, "processor", lambda: "arm")
+    assert linux.cpu_vendor(str(tmp_path / "nowhere")) == ""
+
+
 def test_os_release():
     text = 'NAME="Debian GNU/Linux"\nPRETTY_NAME="Debian GNU/Linux 12 (bookworm)"\nID=debian\n'
     assert linux.parse_os_release(text) == "Debian GNU/Linux 12 (bookworm)"

@@ -82,15 +82,29 @@ def test_it_serves_fp32_on_a_cpu_eagerly_and_nothing_else(monkeypatch):
     assert not onednn.available(torch.randn(5, 48), w)  # inductor packs its own weights
 
 
+def test_it_serves_x86_64_cpus_made_by_amd_with_a_torch_that_has_it():
+    assert onednn.why_not("x86_64", True, "AuthenticAMD") is None
+    assert onednn.why_not("AMD64", True, "AuthenticAMD") is None  # Windows' name for x86-64
+    assert onednn.why_not("arm64", True, "") == "oneDNN's linear needs an x86-64 CPU; this is arm64"
+    assert onednn.why_not("x86_64", False, "AuthenticAMD") == "this torch has no oneDNN linear"
+    # MKL, Intel's own, was as fast or faster on an Intel Xeon; an unknown maker keeps it too.
+    assert onednn.why_not("x86_64", True, "GenuineIntel") == (
+        "oneDNN's linear beat MKL on AMD's CPUs only; this one is GenuineIntel"
+    )
+    assert onednn.why_not("x86_64", True, "").endswith("this one is of an unknown maker")
+    assert onednn.ENABLED is (onednn.WHY_NOT is None)
+
+
 def test_without_onednn_a_linear_is_f_linear_to_the_bit(monkeypatch):
     monkeypatch.setattr(onednn, "ENABLED", False)
+    monkeypatch.setattr(onednn, "WHY_NOT", "oneDNN's linear needs an x86-64 CPU; this is arm64")
     torch.manual_seed(0)
     x, w, b = torch.randn(7, 48), torch.randn(40, 48), torch.randn(40)
     with OpsSeen() as seen:
         y = onednn.linear(x, w, b)
     assert "mkldnn::_linear_pointwise" not in seen.names
     assert torch.equal(y, F.linear(x, w, b))
-    assert onednn.reason().startswith("torch.mm's BLAS for all (oneDNN's linear needs an x86-64 CPU")
+    assert onednn.reason() == "torch.mm's BLAS for all (oneDNN's linear needs an x86-64 CPU; this is arm64)"
 
 
 @needs_onednn
