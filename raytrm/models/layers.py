@@ -339,7 +339,18 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(inner, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._down(self.gate_up_proj(x))
+
+    def add_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm(x + self(x), eps): the SwiGLU with the residual add and norm after it (a post-norm block's)."""
         gate_up = self.gate_up_proj(x)
+        w_down = self.down_proj.weight
+        if self.down_proj.bias is None and kernels.fused_swiglu_down_norm_available(x, gate_up, w_down.shape):
+            # On CUDA, without a graph: the add and norm in the down projection's epilogue too.
+            return kernels.swiglu_down_norm(gate_up, cast(w_down, x.dtype), x, eps)
+        return add_rms_norm(x, self._down(gate_up), eps)
+
+    def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         w_down = self.down_proj.weight
         if self.down_proj.bias is None and kernels.fused_swiglu_down_available(gate_up, w_down.shape):
             # On CUDA: the gate inside the down projection's product (forward) or its epilogue (backward).

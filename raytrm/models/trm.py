@@ -155,7 +155,7 @@ class Block(nn.Module):
         else:
             assert self.attn is not None
             x = add_rms_norm(x, self.attn(x, rope), self.eps)
-        return add_rms_norm(x, self.mlp(x), self.eps)
+        return self.mlp.add_norm(x, self.eps)
 
 
 class TRM(nn.Module):

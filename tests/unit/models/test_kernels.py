@@ -148,6 +148,20 @@ def test_the_swiglu_down_operator_serves_contiguous_half_precision_with_widths_i
     assert not kernels.fused_swiglu_down_available(gate_up, (48, 128))  # out no multiple of 64
     assert not kernels.fused_swiglu_down_available(gate_up.transpose(0, 1), (64, 128))
     assert not kernels.fused_swiglu_down_available(gate_up.float(), (64, 128))
+    # With the residual add and norm: only without a graph, a tile holding whole rows of a power of two.
+    x = torch.zeros(6, 4, 64, dtype=torch.bfloat16)
+    assert not kernels.fused_swiglu_down_norm_available(x, gate_up, (64, 128))  # grad mode: the back-propagated round
+    with torch.no_grad():
+        assert kernels.fused_swiglu_down_norm_available(x, gate_up, (64, 128))
+        assert not kernels.fused_swiglu_down_norm_available(
+            torch.zeros(6, 4, 192, dtype=torch.bfloat16), gate_up, (192, 128)
+        )
+        wide = kernels.MAX_NORM_WIDTH * 2
+        assert not kernels.fused_swiglu_down_norm_available(
+            torch.zeros(6, 4, wide, dtype=torch.bfloat16), gate_up, (wide, 128)
+        )
+        assert not kernels.fused_swiglu_down_norm_available(x.float(), gate_up, (64, 128))
+        assert not kernels.fused_swiglu_down_norm_available(x[:3], gate_up, (64, 128))  # rows unlike gate_up's
     monkeypatch.setattr(kernels, "_INTERPRETED", False)
     assert not kernels.fused_swiglu_down_available(gate_up, (64, 128))  # on a CPU without the interpreter
 
@@ -157,7 +171,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 from raytrm.models import kernels
-from raytrm.models.layers import SwiGLU, _SwiGLUGate
+from raytrm.models.layers import SwiGLU, _SwiGLUGate, add_rms_norm
 
 assert kernels.register()
 torch.manual_seed(0)
@@ -175,11 +189,15 @@ for shape, out, inner in (((37,), 64, 128), ((5,), 128, 192), ((2, 65), 64, 64))
     with FlopCounterMode(display=False) as counted_plain:
         expected = F.linear(_SwiGLUGate.apply(plain, -1), w_plain)  # the CPU's bf16 formulas
         expected.backward(grad)
+    x = torch.randn(*shape, out).bfloat16()  # a residual stream
     with torch.no_grad():
         y_no_grad = kernels.swiglu_down(gate_up, w)  # the gate inside the product
+        assert kernels.fused_swiglu_down_norm_available(x, gate_up, w.shape)
+        normed = kernels.swiglu_down_norm(gate_up, w, x, 1e-5)  # and the residual add and norm after it
+    expected_normed = add_rms_norm(x, expected.detach(), 1e-5)  # the eager formulas: the add rounded, the norm fp32
     assert counted_ours.get_total_flops() == counted_plain.get_total_flops() > 0
     pairs = ((y, expected), (y_no_grad, expected), (ours.grad, plain.grad), (w_ours.grad, w_plain.grad))
-    for a, b in pairs:
+    for a, b in pairs + ((normed, expected_normed),):
         assert a.shape == b.shape and a.dtype == b.dtype
         off = (a.float() - b.float()).abs()
         # Equal but for the odd element a bf16 step apart (fp32 sums in another order, then rounded).
@@ -191,6 +209,14 @@ for shape, out, inner in (((37,), 64, 128), ((5,), 128, 192), ((2, 65), 64, 64))
         y = mlp(x)
     assert torch.ops.raytrm.swiglu_down_keeping_gate in counted.get_flop_counts()["Global"]
     assert torch.equal(y, F.linear(_SwiGLUGate.apply(mlp.gate_up_proj(x), -1), mlp.down_proj.weight.bfloat16()))
+    with torch.no_grad(), FlopCounterMode(display=False) as counted:
+        y = mlp.add_norm(x, 1e-5)
+    assert torch.ops.raytrm.swiglu_down_norm in counted.get_flop_counts()["Global"]
+    with torch.no_grad():
+        down = F.linear(_SwiGLUGate.apply(mlp.gate_up_proj(x), -1), mlp.down_proj.weight.bfloat16())
+        expected = add_rms_norm(x, down, 1e-5)
+    off = (y.float() - expected.float()).abs()
+    assert (off > 0).float().mean() < 0.02 and (off <= expected.float().abs() * 2**-7 + 1e-30).all(), off.max()
 print("OK")
 """
 
@@ -545,6 +571,13 @@ def test_on_cuda_the_swiglu_down_operator_equals_the_plain_formulas_eager_and_co
             off = (a.float() - b.float()).abs()
             # Within a bf16 step where sums run in another order or fused multiply-adds round otherwise.
             assert (off <= b.float().abs() * 2**-7 + 1e-30).all() and (off > 0).float().mean() < 0.05, off.max()
+    # With the residual add and norm in the epilogue (no graph), against the eager formulas.
+    x = torch.randn(96, 97, 512, device="cuda").bfloat16()
+    with torch.no_grad():
+        expected = add_rms_norm(x, expected.detach(), 1e-5)
+        for down_norm in (kernels.swiglu_down_norm, torch.compile(kernels.swiglu_down_norm, fullgraph=True)):
+            off = (down_norm(gate_up, w, x, 1e-5).float() - expected.float()).abs()
+            assert (off <= expected.float().abs() * 2**-7 + 1e-30).all() and (off > 0).float().mean() < 0.05, off.max()
 
 
 @needs_cuda
