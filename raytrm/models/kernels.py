@@ -347,17 +347,16 @@ def register() -> bool:
     def _(grad: torch.Tensor, gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor) -> tuple:
         return torch.empty_like(gate_up), torch.empty_like(w_down)
 
-    @register_flop_formula(torch.ops.raytrm.swiglu_down)
     def swiglu_down_flops(gate_up_shape, w_down_shape, *args: object, **kwargs: object) -> int:
         return down_flops(gate_up_shape, w_down_shape, 1)
 
-    @register_flop_formula(torch.ops.raytrm.swiglu_down_norm)
-    def swiglu_down_norm_flops(gate_up_shape, w_down_shape, *args: object, **kwargs: object) -> int:
-        return down_flops(gate_up_shape, w_down_shape, 1)
-
-    @register_flop_formula(torch.ops.raytrm.swiglu_down_keeping_gate)
-    def swiglu_down_keeping_gate_flops(gate_up_shape, w_down_shape, *args: object, **kwargs: object) -> int:
-        return down_flops(gate_up_shape, w_down_shape, 1)
+    # The three forwards do one product the down projection's size each.
+    for forward in (
+        torch.ops.raytrm.swiglu_down,
+        torch.ops.raytrm.swiglu_down_norm,
+        torch.ops.raytrm.swiglu_down_keeping_gate,
+    ):
+        register_flop_formula(forward)(swiglu_down_flops)
 
     @register_flop_formula(torch.ops.raytrm.swiglu_down_backward)
     def swiglu_down_backward_flops(grad_shape, gate_up_shape, w_down_shape, *args: object, **kwargs: object) -> int:
