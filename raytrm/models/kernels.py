@@ -242,11 +242,17 @@ def register() -> bool:
         L, N = cols_shape
         return 2 * N * L * (w_gate_up_shape[0] + w_down_shape[1])
 
-    def gate_launch(kernel: object, gate_up: torch.Tensor, dim: int, *tensors: torch.Tensor) -> None:
-        """Run a gate kernel over gate_up (split along dim) in tiles; tensors are its other tensor arguments."""
+    def gate_launch(
+        kernel: object, gate_up: torch.Tensor, dim: int, *tensors: torch.Tensor, traced: bool = True
+    ) -> None:
+        """Run a gate kernel over gate_up (split along dim) in tiles; tensors are its other tensor arguments.
+
+        traced: launched from a triton_op, through wrap_triton, so that torch.compile sees the kernel. Inside an
+        opaque custom_op it is launched directly: wrap_triton's dispatch there costs the host about 1 ms a call.
+        """
         rows, columns, row_stride, up_offset, _ = _gate_layout(gate_up, dim)
         tiles = triton.cdiv(rows, GATE_BLOCK_R) * triton.cdiv(columns, GATE_BLOCK_C)
-        torch.library.wrap_triton(kernel)[(tiles,)](
+        (torch.library.wrap_triton(kernel) if traced else kernel)[(tiles,)](
             gate_up, *tensors, rows, columns, row_stride, up_offset, BLOCK_R=GATE_BLOCK_R, BLOCK_C=GATE_BLOCK_C,
             INTERPRETED=_INTERPRETED, num_warps=GATE_WARPS,
         )  # fmt: skip
@@ -322,7 +328,7 @@ def register() -> bool:
         # column block's programs), made TRM-attention's compiled step 4% slower on an H100.
         rows, out, inner = down_shape(gate_up, w_down)
         h = gate_up.new_empty(*gate_up.shape[:-1], inner)
-        gate_launch(swiglu_gate_kernel, gate_up, -1, h)
+        gate_launch(swiglu_gate_kernel, gate_up, -1, h, traced=False)
         return torch.mm(h.view(rows, inner), w_down.t()).view(*gate_up.shape[:-1], out), h
 
     @swiglu_down_keeping_gate_op.register_fake
