@@ -411,6 +411,11 @@ def rope_qkv_backward_kernel(
 #:   together at the end, 0.478 ms). Slower: 1 stage (0.45 ms), 3 (1.24 ms or over the shared memory), 16 warps
 #:   (spilled, 1.1 ms and more), queries in blocks of 64 or 32 (spilled, 1.0 ms and more).
 #: Two to four programs a multiprocessor took the same time as one: a program holds most of its registers.
+#: Loads and stores are TMA copies through tensor descriptors (on GPUs before Hopper Triton turns them back into
+#: pointer loads): no address arithmetic and no masks in the programs, and the next heads' tiles land in shared
+#: memory. On an H100 (2026-11-25, build/attn_tma_probe.py) the backward took 0.350 ms against 0.437-0.438 with
+#: pointer loads (255 registers and 14 spills, against 46), the forward 0.164 against 0.169-0.171 (184 registers,
+#: against 244), with the same error against an fp32 computation.
 ATTENTION_FORWARD = (1, 8, 3)
 ATTENTION_BACKWARD = (1, 8, 2)
 
@@ -427,13 +432,6 @@ def _rotated(x1, x2, c, s, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _head_columns(head, part, H, HALF: tl.constexpr):
-    """The columns of a head (batch * H + head's index) in q, k or v (part 0, 1, 2) of qkv, or in the attention's
-    output (part 0)."""
-    return (part * H + head % H) * (2 * HALF) + tl.arange(0, 2 * HALF)[None, :]
-
-
-@triton.jit
 def _tables(cos_ptr, sin_ptr, L, table_stride, BLOCK_L: tl.constexpr, HALF: tl.constexpr):
     """The first halves of the rotate-half tables for positions [0, BLOCK_L) (zero from L), fp32: c and s."""
     positions = tl.arange(0, BLOCK_L)[:, None]
@@ -444,40 +442,65 @@ def _tables(cos_ptr, sin_ptr, L, table_stride, BLOCK_L: tl.constexpr, HALF: tl.c
 
 
 @triton.jit
+def _tile(desc, batch, column, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    """A [ROWS, COLUMNS] tile of a [batch, L, width] tensor's descriptor (block [1, ROWS, COLUMNS]): one batch row's
+    positions from 0 (zero from L) and the columns from column on."""
+    return desc.load([batch, 0, column]).reshape(ROWS, COLUMNS)
+
+
+@triton.jit
+def _put(desc, batch, column, x):
+    """Store the tile x at _tile's place (the positions from L are left out)."""
+    desc.store([batch, 0, column], x.reshape(1, x.shape[0], x.shape[1]))
+
+
+@triton.jit
+def _put_rotated_back(desc, batch, column, g1, g2, c, s, INTERPRETED: tl.constexpr):
+    """The halves g1, g2 (fp32) of a gradient of rotated q or k rotated back (by -angle), rounded once and stored
+    at column and HALF after it (as _store_rotated_back, through a descriptor of block [1, BLOCK_L, HALF])."""
+    dtype: tl.constexpr = desc.dtype
+    _put(desc, batch, column, _rounded(g1 * c + g2 * s, dtype, INTERPRETED).to(dtype))
+    _put(desc, batch, column + g1.shape[1], _rounded(g2 * c - g1 * s, dtype, INTERPRETED).to(dtype))
+
+
+@triton.jit
 def _attention_head(
-    head, qkv_ptr, c, s, L, H, scale, BLOCK_L: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
+    head, qk, v_desc, c, s, L, H, scale, BLOCK_L: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """A head of qkv [batch * L, 3 * H * 2 * HALF] (its index batch * H + head), on chip: the positions, their
-    tokens' rows (int64, [BLOCK_L, 1]) and the mask of those inside L; q's and k's halves rotated by position with
-    the tables' halves c and s (dot operands), v, and the scores q k^T * scale in log2 units (padded keys at -inf)."""
-    positions = tl.arange(0, BLOCK_L)
-    tokens = ((head // H) * L + positions).to(tl.int64)[:, None]
-    mask = (positions < L)[:, None]
-    d = tl.arange(0, HALF)[None, :]
-    q = qkv_ptr + tokens * (6 * H * HALF) + (head % H) * (2 * HALF) + d
-    k = q + H * (2 * HALF)
-    q1, q2 = _rotated(tl.load(q, mask=mask, other=0.0), tl.load(q + HALF, mask=mask, other=0.0), c, s, INTERPRETED)
-    k1, k2 = _rotated(tl.load(k, mask=mask, other=0.0), tl.load(k + HALF, mask=mask, other=0.0), c, s, INTERPRETED)
-    v = tl.load(qkv_ptr + tokens * (6 * H * HALF) + _head_columns(head, 2, H, HALF), mask=mask, other=0.0)
+    """A head of qkv [batch, L, 3 * H * 2 * HALF] (its index batch * H + head), on chip, through descriptors of
+    blocks [1, BLOCK_L, HALF] (qk) and [1, BLOCK_L, 2 * HALF] (v_desc): its batch row and first column, q's and k's
+    halves rotated by position with the tables' halves c and s (dot operands), v, and the scores q k^T * scale in
+    log2 units (padded keys at -inf)."""
+    batch = head // H
+    column = (head % H) * (2 * HALF)
+    width = H * 2 * HALF
+    q1, q2 = _rotated(
+        _tile(qk, batch, column, BLOCK_L, HALF), _tile(qk, batch, column + HALF, BLOCK_L, HALF), c, s, INTERPRETED
+    )
+    k = width + column
+    k1, k2 = _rotated(_tile(qk, batch, k, BLOCK_L, HALF), _tile(qk, batch, k + HALF, BLOCK_L, HALF), c, s, INTERPRETED)
+    v = _tile(v_desc, batch, 2 * width + column, BLOCK_L, 2 * HALF)
     scores = tl.dot(q2, tl.trans(k2), tl.dot(q1, tl.trans(k1))) * (scale * 1.4426950408889634)
-    scores = tl.where((positions < L)[None, :], scores, float("-inf"))
-    return positions, tokens, mask, q1, q2, k1, k2, v, scores
+    scores = tl.where((tl.arange(0, BLOCK_L) < L)[None, :], scores, float("-inf"))
+    return batch, column, q1, q2, k1, k2, v, scores
 
 
 @triton.jit
 def rope_attention_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, out_ptr, lse_ptr, heads, L, H, table_stride, scale, BLOCK_L: tl.constexpr,
+    qk, v_desc, out_desc, cos_ptr, sin_ptr, lse_ptr, heads, L, H, table_stride, scale, BLOCK_L: tl.constexpr,
     HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """out [batch * L, H * 2 * HALF] = softmax(q k^T * scale) v, a head at a time (heads = batch * H of them, the
+    """out [batch, L, H * 2 * HALF] = softmax(q k^T * scale) v, a head at a time (heads = batch * H of them, the
     program's every num_programs-th, the loads of the next STAGES - 1 in flight), the whole sequence (L <= BLOCK_L)
     on chip, q and k rotated by position on the way in; lse [batch * H, BLOCK_L] the rows' log2-sum-exp2 of the
     scores in log2 units, for the backward. The probabilities are rounded to qkv's dtype for the second product (as
-    flash attention's kernels do), and their sum divides its fp32 result."""
+    flash attention's kernels do), and their sum divides its fp32 result. qk and v_desc are qkv's descriptors (see
+    _attention_head), out_desc out's, of block [1, BLOCK_L, 2 * HALF]."""
     c, s = _tables(cos_ptr, sin_ptr, L, table_stride, BLOCK_L, HALF)
+    positions = tl.arange(0, BLOCK_L)
     for head in tl.range(tl.program_id(0), heads, tl.num_programs(0), num_stages=STAGES):
-        positions, tokens, mask, _, _, _, _, v, scores = _attention_head(
-            head, qkv_ptr, c, s, L, H, scale, BLOCK_L, HALF, INTERPRETED
+        batch, column, _, _, _, _, v, scores = _attention_head(
+            head, qk, v_desc, c, s, L, H, scale, BLOCK_L, HALF, INTERPRETED
         )
         dtype = v.dtype
         top = tl.max(scores, 1)
@@ -485,30 +508,30 @@ def rope_attention_kernel(
         total = tl.sum(p, 1)
         p = _operand(_rounded(p, dtype, INTERPRETED).to(dtype), INTERPRETED)
         out = tl.dot(p, _operand(v, INTERPRETED)) / total[:, None]
-        out = _rounded(out, dtype, INTERPRETED).to(dtype)
-        tl.store(out_ptr + tokens * (2 * H * HALF) + _head_columns(head, 0, H, HALF), out, mask=mask)
+        _put(out_desc, batch, column, _rounded(out, dtype, INTERPRETED).to(dtype))
         tl.store(lse_ptr + head * BLOCK_L + positions, top + tl.log2(total))
 
 
 @triton.jit
 def rope_attention_backward_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, out_ptr, grad_ptr, lse_ptr, grad_qkv_ptr, heads, L, H, table_stride, scale,
-    BLOCK_L: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
+    qk, v_desc, out_desc, grad_desc, grad_qk, grad_v_desc, cos_ptr, sin_ptr, lse_ptr, heads, L, H, table_stride,
+    scale, BLOCK_L: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """grad_qkv [batch * L, 3 * H * 2 * HALF] from grad, the gradient of rope_attention_kernel's out, a head at a
+    """grad_qkv [batch, L, 3 * H * 2 * HALF] from grad, the gradient of rope_attention_kernel's out, a head at a
     time as there: the probabilities recomputed from lse, the gradients of v, of the scores and of the rotated q and
     k in fp32 (products of operands rounded to qkv's dtype), q's and k's rotated back (by -angle) and rounded
-    once."""
+    once. Descriptors as rope_attention_kernel's: grad_qk and grad_v_desc are grad_qkv's as qk and v_desc are qkv's,
+    grad_desc grad's as out_desc is out's."""
     c, s = _tables(cos_ptr, sin_ptr, L, table_stride, BLOCK_L, HALF)
-    width = 6 * H * HALF
+    positions = tl.arange(0, BLOCK_L)
+    width = H * 2 * HALF
     for head in tl.range(tl.program_id(0), heads, tl.num_programs(0), num_stages=STAGES):
-        positions, tokens, mask, q1, q2, k1, k2, v, scores = _attention_head(
-            head, qkv_ptr, c, s, L, H, scale, BLOCK_L, HALF, INTERPRETED
+        batch, column, q1, q2, k1, k2, v, scores = _attention_head(
+            head, qk, v_desc, c, s, L, H, scale, BLOCK_L, HALF, INTERPRETED
         )
         dtype = v.dtype
-        rows = tokens * (width // 3) + _head_columns(head, 0, H, HALF)
-        out = tl.load(out_ptr + rows, mask=mask, other=0.0)
-        grad = tl.load(grad_ptr + rows, mask=mask, other=0.0)
+        out = _tile(out_desc, batch, column, BLOCK_L, 2 * HALF)
+        grad = _tile(grad_desc, batch, column, BLOCK_L, 2 * HALF)
         # d softmax: p * (dp - delta), delta the rows' grad . out.
         delta = tl.sum(grad.to(tl.float32) * out.to(tl.float32), 1)
         p = tl.exp2(scores - tl.load(lse_ptr + head * BLOCK_L + positions)[:, None])
@@ -516,11 +539,11 @@ def rope_attention_backward_kernel(
         # Each gradient is stored as soon as it is computed (v's, q's, then k's), so fewer values are held at once.
         p_t = tl.trans(_operand(_rounded(p, dtype, INTERPRETED).to(dtype), INTERPRETED))
         grad_v = _rounded(tl.dot(p_t, grad), dtype, INTERPRETED).to(dtype)
-        tl.store(grad_qkv_ptr + tokens * width + _head_columns(head, 2, H, HALF), grad_v, mask=mask)
+        _put(grad_v_desc, batch, 2 * width + column, grad_v)
         dp = tl.dot(grad, tl.trans(_operand(v, INTERPRETED)))
         ds = _operand(_rounded(p * (dp - delta[:, None]), dtype, INTERPRETED).to(dtype), INTERPRETED)
-        q = grad_qkv_ptr + tokens * width + (head % H) * (2 * HALF) + tl.arange(0, HALF)[None, :]
-        _store_rotated_back(q, tl.dot(ds, k1) * scale, tl.dot(ds, k2) * scale, c, s, mask, HALF, INTERPRETED)
+        _put_rotated_back(grad_qk, batch, column, tl.dot(ds, k1) * scale, tl.dot(ds, k2) * scale, c, s, INTERPRETED)
         ds_t = tl.trans(ds)
-        k = q + H * (2 * HALF)
-        _store_rotated_back(k, tl.dot(ds_t, q1) * scale, tl.dot(ds_t, q2) * scale, c, s, mask, HALF, INTERPRETED)
+        _put_rotated_back(
+            grad_qk, batch, width + column, tl.dot(ds_t, q1) * scale, tl.dot(ds_t, q2) * scale, c, s, INTERPRETED
+        )

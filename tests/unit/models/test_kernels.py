@@ -315,6 +315,9 @@ def test_the_attention_operator_serves_whole_sequences_of_at_most_128_positions_
     monkeypatch.setattr(kernels, "_registered", True)
     monkeypatch.setattr(kernels, "_INTERPRETED", True)
     qkv = torch.zeros(2, 97, 3 * 8 * 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(kernels, "_descriptors", False)
+    assert not kernels.fused_attention_available(qkv, 64, causal=False)  # a Triton without tensor descriptors
+    monkeypatch.setattr(kernels, "_descriptors", True)
     assert kernels.fused_attention_available(qkv, 64, causal=False)
     with torch.no_grad():
         assert kernels.fused_attention_available(qkv, 64, causal=False)  # eager no-grad rounds
@@ -357,6 +360,22 @@ for batch, positions, heads, head_dim in ((1, 97, 2, 64), (3, 5, 3, 32)):
     with FlopCounterMode(display=False) as counter:
         kernels.rope_attention(x, cos, sin, heads).backward(grad.bfloat16())
     assert counter.get_total_flops() == 7 * 2 * batch * positions**2 * heads * head_dim
+
+# Tensors that do not start on 16 bytes (views at an offset), which a tensor descriptor cannot take, are copied:
+# the same results.
+def shifted(t):
+    view = torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view_as(t).copy_(t)
+    assert view.data_ptr() % 16 and view.is_contiguous()
+    return view
+
+qkv, grad = torch.randn(2, 9, 3 * 2 * 32).bfloat16(), torch.randn(2, 9, 2 * 32).bfloat16()
+cos, sin = RotaryEmbedding(32, 9, 10000.0)()
+out, lse = torch.ops.raytrm.rope_attention(qkv, cos, sin, 2)
+out_shifted, lse_shifted = torch.ops.raytrm.rope_attention(shifted(qkv), cos, sin, 2)
+assert torch.equal(out_shifted, out) and torch.equal(lse_shifted[:, :9], lse[:, :9])
+backward = torch.ops.raytrm.rope_attention_backward
+expected = backward(qkv, cos, sin, out, lse, grad, 2)
+assert torch.equal(backward(shifted(qkv), cos, sin, shifted(out), lse, shifted(grad), 2), expected)
 
 # In the attention: the operator serves whole sequences with RoPE, and not the causal one.
 cos, sin = RotaryEmbedding(32, 97, 10000.0)()
