@@ -201,9 +201,12 @@ def swiglu_gate_backward_kernel(
 #:   one-op sigmoid (tanh.approx) took 0.334 ms, moving some results by a bf16 step; a reciprocal by Newton's
 #:   iterations instead of the hardware's, 0.348; persistent programs, 0.46 ms and more.
 #: - backward (the gate's backward in the epilogue of the input gradient's product): 0.510 ms against 0.577 for
-#:   cuBLAS (0.194) and the gate's backward operator.
+#:   cuBLAS (0.194) and the gate's backward operator. With its tiles loaded and stored as TMA copies (tensor
+#:   descriptors), 0.443 ms at 3 stages against 0.516-0.524 with pointer loads at 4, to the same bits (2026-11-25,
+#:   build/down_tma_probe.py; 4 stages 0.516, tiles of 128 rows or 256 columns 0.54 ms and more). The forward's
+#:   loads as TMA copies were no faster (0.351 ms against 0.351-0.363).
 SWIGLU_DOWN = (128, 256, 64, 8, 3)
-SWIGLU_DOWN_BACKWARD = (64, 128, 64, 4, 4)
+SWIGLU_DOWN_BACKWARD = (64, 128, 64, 4, 3)
 #: Row blocks of the backward's tiles that run side by side, sharing the weight's column blocks in L2.
 SWIGLU_DOWN_GROUP = 8
 
@@ -253,35 +256,29 @@ def swiglu_down_kernel(
 
 @triton.jit
 def swiglu_down_backward_kernel(
-    grad_ptr, w_ptr, gate_up_ptr, grad_gate_up_ptr, M, N, F, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP: tl.constexpr, INTERPRETED: tl.constexpr,
+    grad, w, gate_up, grad_gate_up, M, N, F, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """grad_gate_up [M, 2 * F] (laid out as gate_up) for grad [M, N], the gradient of swiglu_down_kernel's output:
     the gate's gradient grad @ w (w [N, F]), rounded to gate_up's dtype as a product's output is, goes through the
     gate's backward (_gate_gradients) in the product's epilogue, so that it never goes to memory. A program takes a
-    tile of [M, F]; GROUP row blocks' tiles run side by side, sharing w's column blocks. N must be a multiple of
-    BLOCK_K."""
-    dtype = grad_gate_up_ptr.dtype.element_ty
+    tile of [M, F]; GROUP row blocks' tiles run side by side, sharing w's column blocks. The tensors come as
+    descriptors, of blocks [BLOCK_M, BLOCK_K] (grad), [BLOCK_K, BLOCK_N] (w) and [BLOCK_M, 1, BLOCK_N] (gate_up and
+    grad_gate_up viewed as [M, 2, F]: gate, then up)."""
+    dtype: tl.constexpr = grad_gate_up.dtype
     row_blocks, column_blocks = tl.cdiv(M, BLOCK_M), tl.cdiv(F, BLOCK_N)
     group, within = tl.program_id(0) // (GROUP * column_blocks), tl.program_id(0) % (GROUP * column_blocks)
     group_rows = tl.minimum(row_blocks - group * GROUP, GROUP)
-    rows = ((group * GROUP + within % group_rows) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    columns = (within // group_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
-    outer = tl.arange(0, BLOCK_K)
-    row_mask = (rows < M)[:, None]
-    column_mask = (columns < F)[None, :]
+    row = (group * GROUP + within % group_rows) * BLOCK_M
+    column = (within // group_rows) * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, N, BLOCK_K):
-        g = tl.load(grad_ptr + rows[:, None] * N + (k + outer)[None, :], mask=row_mask, other=0.0)
-        w = tl.load(w_ptr + (k + outer)[:, None] * F + columns[None, :], mask=column_mask, other=0.0)
-        acc = tl.dot(_operand(g, INTERPRETED), _operand(w, INTERPRETED), acc)
-    mask = row_mask & column_mask
-    offset = rows[:, None] * (2 * F) + columns[None, :]
-    gate = tl.load(gate_up_ptr + offset, mask=mask).to(tl.float32)
-    up = tl.load(gate_up_ptr + offset + F, mask=mask).to(tl.float32)
+        acc = tl.dot(_operand(grad.load([row, k]), INTERPRETED), _operand(w.load([k, column]), INTERPRETED), acc)
+    gate = gate_up.load([row, 0, column]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+    up = gate_up.load([row, 1, column]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
     grad_gate, grad_up = _gate_gradients(gate, up, _rounded(acc, dtype, INTERPRETED), dtype, INTERPRETED)
-    tl.store(grad_gate_up_ptr + offset, grad_gate.to(dtype), mask=mask)
-    tl.store(grad_gate_up_ptr + offset + F, grad_up.to(dtype), mask=mask)
+    grad_gate_up.store([row, 0, column], grad_gate.to(dtype).reshape(BLOCK_M, 1, BLOCK_N))
+    grad_gate_up.store([row, 1, column], grad_up.to(dtype).reshape(BLOCK_M, 1, BLOCK_N))
 
 
 @triton.jit

@@ -125,10 +125,12 @@ def fused_gate_available(gate_up: torch.Tensor, dim: int) -> bool:
 def fused_swiglu_down_available(gate_up: torch.Tensor, w_down_shape: tuple[int, ...]) -> bool:
     """Whether swiglu_down serves gate_up [..., 2 * inner] with a down projection of weight shape [out, inner]:
     contiguous, inner and out multiples of 64 (a tile's inner step), and the kernels take it (half precision on
-    CUDA, or bf16 under Triton's interpreter, once registered); with or without a graph, compiled or not."""
+    CUDA, or bf16 under Triton's interpreter, once registered); with or without a graph (whose backward needs
+    Triton's tensor descriptors), compiled or not."""
     out, inner = w_down_shape
     return (
         _runs_kernels(gate_up)
+        and (_descriptors or not torch.is_grad_enabled())
         and gate_up.is_contiguous()
         and gate_up.shape[-1] == 2 * inner
         and inner % 64 == 0
@@ -362,9 +364,17 @@ def register() -> bool:
         rows, out, inner = down_shape(gate_up, w_down)
         grad_gate_up = torch.empty_like(gate_up)
         block_m, block_n, block_k, warps, stages = SWIGLU_DOWN_BACKWARD
+        descriptors = (
+            TensorDescriptor.from_tensor(_aligned(grad).view(rows, out), [block_m, block_k]),
+            TensorDescriptor.from_tensor(_aligned(w_down), [block_k, block_n]),
+            *(
+                TensorDescriptor.from_tensor(_aligned(t).view(rows, 2, inner), [block_m, 1, block_n])
+                for t in (gate_up, grad_gate_up)
+            ),
+        )
         swiglu_down_backward_kernel[(triton.cdiv(rows, block_m) * triton.cdiv(inner, block_n),)](
-            grad, w_down, gate_up, grad_gate_up, rows, out, inner, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, GROUP=SWIGLU_DOWN_GROUP, INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages,
+            *descriptors, rows, out, inner, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            GROUP=SWIGLU_DOWN_GROUP, INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return grad_gate_up, torch.mm(grad.view(rows, out).t(), h.view(rows, inner))
 

@@ -139,10 +139,16 @@ def test_the_gate_operator_equals_the_plain_formulas_forward_and_backward_in_tri
 def test_the_swiglu_down_operator_serves_contiguous_half_precision_with_widths_in_multiples_of_64(monkeypatch):
     monkeypatch.setattr(kernels, "_registered", True)
     monkeypatch.setattr(kernels, "_INTERPRETED", True)
+    monkeypatch.setattr(kernels, "_descriptors", True)
     gate_up = torch.zeros(6, 4, 2 * 128, dtype=torch.bfloat16)
     assert kernels.fused_swiglu_down_available(gate_up, (64, 128))
     with torch.no_grad():
         assert kernels.fused_swiglu_down_available(gate_up, (64, 128))  # with or without a graph
+    monkeypatch.setattr(kernels, "_descriptors", False)  # a Triton without tensor descriptors: no backward kernel
+    assert not kernels.fused_swiglu_down_available(gate_up, (64, 128))
+    with torch.no_grad():
+        assert kernels.fused_swiglu_down_available(gate_up, (64, 128))
+    monkeypatch.setattr(kernels, "_descriptors", True)
     assert not kernels.fused_swiglu_down_available(gate_up, (64, 96))  # gate_up is not [gate | up] of this inner
     assert not kernels.fused_swiglu_down_available(torch.zeros(6, 2 * 96, dtype=torch.bfloat16), (64, 96))
     assert not kernels.fused_swiglu_down_available(gate_up, (48, 128))  # out no multiple of 64
