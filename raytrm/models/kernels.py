@@ -159,7 +159,8 @@ def fused_swiglu_down_norm_available(x: torch.Tensor, gate_up: torch.Tensor, w_d
 
 
 _registered = False
-#: Triton has tensor descriptors (TMA copies on Hopper and later), which the attention kernels load and store through.
+#: Triton has tensor descriptors (TMA copies on Hopper and later), which the attention kernels and the SwiGLU down
+#: projection's backward kernel load and store through.
 _descriptors = False
 
 
@@ -216,8 +217,12 @@ def register() -> bool:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         _descriptors = True
-    except ImportError:  # Triton before 3.3: the attention takes the plain formulas
-        logger.info("Triton %s has no tensor descriptors: attention runs without its kernels", triton.__version__)
+    except ImportError:  # Triton before 3.3
+        logger.info(
+            "Triton %s has no tensor descriptors: the attention and the SwiGLU's back-propagated round run without "
+            "their kernels",
+            triton.__version__,
+        )
 
     from raytrm.models._triton_kernels import (
         ATTENTION_BACKWARD,
