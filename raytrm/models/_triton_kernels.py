@@ -282,12 +282,20 @@ def swiglu_down_backward_kernel(
 
 
 @triton.jit
+def _rotated_back(g1, g2, c, s, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The halves g1, g2 (fp32) of a gradient of rotated q or k rotated back (by -angle), each rounded once to
+    dtype."""
+    r1 = _rounded(g1 * c + g2 * s, dtype, INTERPRETED).to(dtype)
+    r2 = _rounded(g2 * c - g1 * s, dtype, INTERPRETED).to(dtype)
+    return r1, r2
+
+
+@triton.jit
 def _store_rotated_back(ptr, g1, g2, c, s, mask, HALF: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The halves g1, g2 (fp32) of a gradient of rotated q or k rotated back (by -angle) and rounded once, stored at
-    ptr (the first half's columns) and HALF after it."""
-    dtype = ptr.dtype.element_ty
-    tl.store(ptr, _rounded(g1 * c + g2 * s, dtype, INTERPRETED).to(dtype), mask=mask)
-    tl.store(ptr + HALF, _rounded(g2 * c - g1 * s, dtype, INTERPRETED).to(dtype), mask=mask)
+    """_rotated_back's halves stored at ptr (the first half's columns) and HALF after it."""
+    r1, r2 = _rotated_back(g1, g2, c, s, ptr.dtype.element_ty, INTERPRETED)
+    tl.store(ptr, r1, mask=mask)
+    tl.store(ptr + HALF, r2, mask=mask)
 
 
 #: Tokens per program of the RoPE kernels (each takes every head of one of q, k and v).
@@ -453,11 +461,10 @@ def _put(desc, batch, column, x):
 
 @triton.jit
 def _put_rotated_back(desc, batch, column, g1, g2, c, s, INTERPRETED: tl.constexpr):
-    """The halves g1, g2 (fp32) of a gradient of rotated q or k rotated back (by -angle), rounded once and stored
-    at column and HALF after it (as _store_rotated_back, through a descriptor of block [1, BLOCK_L, HALF])."""
-    dtype: tl.constexpr = desc.dtype
-    _put(desc, batch, column, _rounded(g1 * c + g2 * s, dtype, INTERPRETED).to(dtype))
-    _put(desc, batch, column + g1.shape[1], _rounded(g2 * c - g1 * s, dtype, INTERPRETED).to(dtype))
+    """_rotated_back's halves stored at column and HALF after it, through a descriptor of block [1, BLOCK_L, HALF]."""
+    r1, r2 = _rotated_back(g1, g2, c, s, desc.dtype, INTERPRETED)
+    _put(desc, batch, column, r1)
+    _put(desc, batch, column + g1.shape[1], r2)
 
 
 @triton.jit

@@ -369,13 +369,12 @@ def register() -> bool:
         rows, out, inner = down_shape(gate_up, w_down)
         grad_gate_up = torch.empty_like(gate_up)
         block_m, block_n, block_k, warps, stages = SWIGLU_DOWN_BACKWARD
+        # The inputs copied where they do not start on 16 bytes; the output is fresh, so it does.
+        gate_up_halves = [t.view(rows, 2, inner) for t in (_aligned(gate_up), grad_gate_up)]
         descriptors = (
             TensorDescriptor.from_tensor(_aligned(grad).view(rows, out), [block_m, block_k]),
             TensorDescriptor.from_tensor(_aligned(w_down), [block_k, block_n]),
-            *(
-                TensorDescriptor.from_tensor(_aligned(t).view(rows, 2, inner), [block_m, 1, block_n])
-                for t in (gate_up, grad_gate_up)
-            ),
+            *(TensorDescriptor.from_tensor(t, [block_m, 1, block_n]) for t in gate_up_halves),
         )
         swiglu_down_backward_kernel[(triton.cdiv(rows, block_m) * triton.cdiv(inner, block_n),)](
             *descriptors, rows, out, inner, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
