@@ -38,7 +38,8 @@ multiprocessor takes one head after another, the next heads' loads in flight whi
 RoPE's two passes and cuDNN's attention in every round, compiled or not: on an H100 its forward took 0.17 ms a call
 against 0.22 ms for inductor's rotation and cuDNN's forward, its backward 0.435 ms. Its loads and stores are TMA
 copies through tensor descriptors (pointer loads on GPUs before Hopper, by Triton's own rewrite), which took the
-backward to 0.350 ms and the forward to 0.164.
+backward to 0.350 ms and the forward to 0.164. Before Hopper they were not measured, and compiled for an A100 they
+spill far more than the pointer-load kernels did (_triton_kernels.py, beside ATTENTION_FORWARD).
 """
 
 from __future__ import annotations
