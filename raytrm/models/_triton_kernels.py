@@ -416,13 +416,13 @@ def rope_qkv_backward_kernel(
 #:   together at the end, 0.478 ms). Slower: 1 stage (0.45 ms), 3 (1.24 ms or over the shared memory), 16 warps
 #:   (spilled, 1.1 ms and more), queries in blocks of 64 or 32 (spilled, 1.0 ms and more).
 #: Two to four programs a multiprocessor took the same time as one: a program holds most of its registers.
-#: Loads and stores are TMA copies through tensor descriptors (on GPUs before Hopper Triton turns them back into
-#: pointer loads): no address arithmetic and no masks in the programs, and the next heads' tiles land in shared
-#: memory. On an H100 (2026-11-25, build/attn_tma_probe.py) the backward took 0.350 ms against 0.437-0.438 with
-#: pointer loads (255 registers and 14 spills, against 46), the forward 0.164 against 0.169-0.171 (184 registers,
-#: against 244), with the same error against an fp32 computation. Not measured before Hopper: compiled here for an
-#: A100 (sm_80, Triton 3.9), the rewritten kernels spill far more than the pointer-load ones did (6 KB a thread
-#: forward and 13 KB backward, against 0.1 and 3 KB).
+#: Loads and stores are TMA copies through tensor descriptors: no address arithmetic and no masks in the programs,
+#: and the next heads' tiles land in shared memory. On an H100 (2026-11-25, build/attn_tma_probe.py) the backward
+#: took 0.350 ms against 0.437-0.438 with pointer loads (255 registers and 14 spills, against 46), the forward 0.164
+#: against 0.169-0.171 (184 registers, against 244), with the same error against an fp32 computation. GPUs before
+#: Hopper have no TMA, and Triton turns the copies back into pointer loads: compiled here for an A100 (sm_80, Triton
+#: 3.9), those kernels spill far more than the pointer-load ones did (6 KB a thread forward and 13 KB backward,
+#: against 0.1 and 3 KB), so such GPUs keep the plain formulas (kernels.TMA_CAPABILITY).
 ATTENTION_FORWARD = (1, 8, 3)
 ATTENTION_BACKWARD = (1, 8, 2)
 

@@ -37,9 +37,10 @@ from the forward's log-sum-exp and writes qkv's gradient, q's and k's rotated ba
 multiprocessor takes one head after another, the next heads' loads in flight while it computes one. It replaces
 RoPE's two passes and cuDNN's attention in every round, compiled or not: on an H100 its forward took 0.17 ms a call
 against 0.22 ms for inductor's rotation and cuDNN's forward, its backward 0.435 ms. Its loads and stores are TMA
-copies through tensor descriptors (pointer loads on GPUs before Hopper, by Triton's own rewrite), which took the
-backward to 0.350 ms and the forward to 0.164. Before Hopper they were not measured, and compiled for an A100 they
-spill far more than the pointer-load kernels did (_triton_kernels.py, beside ATTENTION_FORWARD).
+copies through tensor descriptors, which took the backward to 0.350 ms and the forward to 0.164. GPUs before Hopper
+have no TMA: there Triton rewrites the copies into pointer loads, which compiled for an A100 spill far more than the
+pointer-load kernels did (_triton_kernels.py, beside ATTENTION_FORWARD), so those GPUs keep the plain formulas for
+the attention and for the SwiGLU's back-propagated round (TMA_CAPABILITY).
 """
 
 from __future__ import annotations
@@ -105,10 +106,14 @@ def fused_rope_available(qkv: torch.Tensor, head_dim: int) -> bool:
 def fused_attention_available(qkv: torch.Tensor, head_dim: int, causal: bool) -> bool:
     """Whether rope_attention serves qkv [B, L, 3 * heads * head_dim]: where the kernels take it (_rope_layout), for
     self-attention over the whole sequence (not causal) of at most MAX_POSITIONS positions, with heads of at least
-    32 (each half a product's depth of 16), where Triton has tensor descriptors (3.3 or later); with or without a
+    32 (each half a product's depth of 16), where its kernels' TMA copies run (_tma_copies); with or without a
     graph, compiled or not."""
     return (
-        _descriptors and _rope_layout(qkv, head_dim) and not causal and qkv.shape[1] <= MAX_POSITIONS and head_dim >= 32
+        _rope_layout(qkv, head_dim)
+        and _tma_copies(qkv)
+        and not causal
+        and qkv.shape[1] <= MAX_POSITIONS
+        and head_dim >= 32
     )
 
 
@@ -126,12 +131,12 @@ def fused_gate_available(gate_up: torch.Tensor, dim: int) -> bool:
 def fused_swiglu_down_available(gate_up: torch.Tensor, w_down_shape: tuple[int, ...]) -> bool:
     """Whether swiglu_down serves gate_up [..., 2 * inner] with a down projection of weight shape [out, inner]:
     contiguous, inner and out multiples of 64 (a tile's inner step), and the kernels take it (half precision on
-    CUDA, or bf16 under Triton's interpreter, once registered); with or without a graph (whose backward needs
-    Triton's tensor descriptors), compiled or not."""
+    CUDA, or bf16 under Triton's interpreter, once registered); with or without a graph (whose backward kernel
+    needs TMA copies, _tma_copies), compiled or not."""
     out, inner = w_down_shape
     return (
         _runs_kernels(gate_up)
-        and (_descriptors or not torch.is_grad_enabled())
+        and (not torch.is_grad_enabled() or _tma_copies(gate_up))
         and gate_up.is_contiguous()
         and gate_up.shape[-1] == 2 * inner
         and inner % 64 == 0
@@ -163,6 +168,34 @@ _registered = False
 #: Triton has tensor descriptors (TMA copies on Hopper and later), which the attention kernels and the SwiGLU down
 #: projection's backward kernel load and store through.
 _descriptors = False
+
+
+#: The first compute capability whose GPUs copy tiles with TMA (Hopper). On earlier GPUs Triton rewrites a tensor
+#: descriptor's copies into pointer loads; compiled for an A100 (sm_80) at TRM-attention's shape, the attention kernels
+#: then spilled 6 KB a thread forward and 13 KB backward, against 0.1 and 3 KB for the pointer-load kernels they
+#: replaced, so those GPUs keep the plain formulas.
+TMA_CAPABILITY = (9, 0)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, read once."""
+    return torch.cuda.get_device_capability(device)
+
+
+@torch.compiler.assume_constant_result
+def _tma_device(device: torch.device) -> bool:
+    """Whether a CUDA device copies tiles with TMA (TMA_CAPABILITY or later). A device's capability is fixed, so
+    torch.compile, which meets this while tracing a round, calls it there and keeps the answer as a constant: no
+    graph break."""
+    return _capability(device) >= TMA_CAPABILITY
+
+
+def _tma_copies(x: torch.Tensor) -> bool:
+    """Whether the kernels that load and store through tensor descriptors serve x (a tensor the kernels take):
+    Triton has descriptors (3.3 or later), and x is on a GPU that copies tiles with TMA, or under Triton's
+    interpreter, which runs the descriptors' copies as Hopper does."""
+    return _descriptors and (x.device.type != "cuda" or _tma_device(x.device))
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

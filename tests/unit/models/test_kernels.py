@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from raytrm.models import kernels
 from raytrm.models.layers import RotaryEmbedding, SwiGLU, add_rms_norm, apply_rotary, cast
@@ -342,6 +343,43 @@ def test_the_attention_operator_serves_whole_sequences_of_at_most_128_positions_
     assert not kernels.fused_attention_available(qkv.float(), 64, causal=False)
     monkeypatch.setattr(kernels, "_INTERPRETED", False)
     assert not kernels.fused_attention_available(qkv, 64, causal=False)  # on a CPU without the interpreter
+
+
+def test_before_hopper_the_kernels_with_tma_copies_give_way_to_the_plain_formulas(monkeypatch):
+    # Fake CUDA tensors: only their device, dtype, shape and strides are read.
+    with FakeTensorMode():
+        qkv = torch.empty(2, 97, 3 * 8 * 64, dtype=torch.bfloat16, device="cuda")
+        gate_up = torch.empty(6, 4, 2 * 128, dtype=torch.bfloat16, device="cuda")
+    monkeypatch.setattr(kernels, "_registered", True)
+    monkeypatch.setattr(kernels, "_descriptors", True)
+    asked = []
+    for capability, served in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(kernels, "_capability", lambda device, c=capability: asked.append(device) or c)
+        assert kernels.fused_attention_available(qkv, 64, causal=False) is served
+        assert kernels.fused_swiglu_down_available(gate_up, (64, 128)) is served  # its backward kernel's copies
+        with torch.no_grad():  # the no-grad rounds' kernel loads through pointers, on any GPU
+            assert kernels.fused_swiglu_down_available(gate_up, (64, 128))
+    assert set(asked) == {torch.device("cuda", 0)}
+
+
+def test_torch_compile_reads_the_gpus_capability_as_a_constant_without_a_graph_break(monkeypatch):
+    capability = {"cpu": (9, 0)}
+
+    def read(device: torch.device) -> tuple[int, int]:
+        torch._dynamo.graph_break()  # as torch.cuda's query might: traced, this would break the graph
+        return capability[device.type]
+
+    monkeypatch.setattr(kernels, "_capability", read)
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager", fullgraph=True)  # a graph break raises
+    def branch(x: torch.Tensor) -> torch.Tensor:
+        return x + 1 if kernels._tma_device(x.device) else x - 1
+
+    assert branch(torch.zeros(2)).tolist() == [1.0, 1.0]
+    torch._dynamo.reset()
+    capability["cpu"] = (8, 0)
+    assert branch(torch.zeros(2)).tolist() == [-1.0, -1.0]
 
 
 ATTENTION_SCRIPT = """

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from raytrm.train.compile import CompilePlan, compile_regions, plan_compile
 from raytrm.train.trainer import Trainer
@@ -148,9 +149,11 @@ def test_a_compiled_step_equals_the_eager_one_on_cuda_within_bf16_noise(tiny, mo
         trainer = Trainer(tiny(model=model, training={"device": "cuda", "compile": compile_mode}))
         try:
             assert trainer.dtype == torch.bfloat16
+            counters.clear()
             losses[compile_mode] = [trainer.train_step().loss for _ in range(4)]
             if compile_mode != "off":
                 assert trainer.compiled == ["_round"] and trainer.model._round.failed is None
+                assert not counters["graph_break"], dict(counters["graph_break"])  # each round is one graph
         finally:
             trainer.close()
     # bf16 rounds differently in fused kernels; the four steps' losses agree to bf16's ~3 significant digits.
