@@ -183,11 +183,17 @@ class Trainer:
         return next(self._batches)
 
     def _prefetch(self) -> None:
-        """Gather the next global batch while the device still runs this step.
+        """Gather the next global batch while the device still runs this step, and queue its copy to the device
+        behind this step's work; the task draws what the next step needs on the host too (prepare_step).
 
-        On CUDA it lands in page-locked memory, so the next step's copy to the device is queued without a wait.
+        On CUDA the batch goes through page-locked memory, so the host does not wait for the copy, and the next step
+        starts on its first kernels: at its start the host used to spend 0.3 ms on the batch's copies and 0.25 ms on
+        TRM's exploration draws with the device idle (TRM-attention on an H200's host). Elsewhere the copy stays at
+        the step's start.
         """
-        self._prefetched = {k: devices.page_locked(v, self.device) for k, v in self._next_global_batch().items()}
+        pinned = {k: devices.page_locked(v, self.device) for k, v in self._next_global_batch().items()}
+        self._prefetched = {k: v.to(self.device, non_blocking=True) if v.is_pinned() else v for k, v in pinned.items()}
+        self.task.prepare_step(self.global_batch)
 
     # -- one optimizer step ----------------------------------------------------------------------------------------
 
@@ -297,7 +303,8 @@ class Trainer:
     ) -> tuple[Scalar, dict[str, Scalar]]:
         """This worker's loss and metric sums over its micro-batches, added up on the device (the last
         micro-batch's backward arms the reducer)."""
-        self.model.train()
+        if not self.model.training:  # train() visits every module: 0.1-0.2 ms of host time a step, device idle
+            self.model.train()
         totals: dict[str, Scalar] = {}
         loss_sum: Scalar = 0.0
         threads = threaded.side_by_side(self.local_batch, self.micro_batch, torch.get_num_threads())

@@ -107,6 +107,32 @@ def test_resume_is_exact(tiny, tmp_path):
     assert straight["eval_cell_acc"] == resumed["eval_cell_acc"]
 
 
+def test_exploration_drawn_ahead_is_the_steps_own_and_a_checkpoint_saves_the_state_before_it(tiny):
+    # The Trainer has TRM's task draw a step's halting exploration while the step before it runs (prepare_step).
+    at_start, ahead = Trainer(tiny()), Trainer(tiny())
+    try:
+        batch, n = at_start._next_global_batch(), at_start.global_batch
+        part = slice(0, n)
+
+        def begin(trainer: Trainer) -> torch.Tensor:
+            return trainer.task.begin_step(batch, n, part).min_halt_steps
+
+        expected = [begin(at_start) for _ in range(3)]
+        assert not torch.equal(expected[0], expected[1])  # the draws differ from step to step
+        got = [begin(ahead)]
+        ahead.task.prepare_step(n)
+        saved = ahead.task.rng_state()  # a checkpoint between the steps
+        got.append(begin(ahead))
+        ahead.task.prepare_step(n // 2)  # drawn for another global batch: drawn again, from the same state
+        got.append(begin(ahead))
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+        ahead.task.load_rng_state(saved)  # resumed from that checkpoint: the second step's draws again
+        assert torch.equal(begin(ahead), expected[1])
+    finally:
+        at_start.close()
+        ahead.close()
+
+
 def test_recutting_mid_run_changes_nothing_but_the_cut(tiny):
     lr = 3e-3
     fixed = Trainer(tiny(training={"global_batch_size": 32, "lr": lr}))
