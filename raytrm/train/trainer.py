@@ -191,8 +191,11 @@ class Trainer:
         TRM's exploration draws with the device idle (TRM-attention on an H200's host). Elsewhere the copy stays at
         the step's start.
         """
-        pinned = {k: devices.page_locked(v, self.device) for k, v in self._next_global_batch().items()}
-        self._prefetched = {k: v.to(self.device, non_blocking=True) if v.is_pinned() else v for k, v in pinned.items()}
+        batch = self._next_global_batch()
+        if self.device.type == devices.CUDA:
+            pinned = {k: devices.page_locked(v, self.device) for k, v in batch.items()}
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in pinned.items()}
+        self._prefetched = batch
         self.task.prepare_step(self.global_batch)
 
     # -- one optimizer step ----------------------------------------------------------------------------------------
