@@ -111,6 +111,16 @@ def page_locked(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.pin_memory() if t.device.type == CPU and torch.device(device).type == CUDA else t
 
 
+def queued_copy(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """t on device. From the host to CUDA it goes through page-locked memory, so the copy joins the device's queue
+    without the host waiting for it. The device's type decides, not t.is_pinned(), which can start a CUDA context
+    on a GPU host training on its CPU."""
+    import torch
+
+    device = torch.device(device)
+    return page_locked(t, device).to(device, non_blocking=device.type == CUDA)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work, so host clocks measure it."""
     import torch

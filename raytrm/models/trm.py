@@ -110,10 +110,7 @@ class Exploration:
         min_halt_steps = torch.where(explore, minimum, 0)
         if device is None:
             return cls(min_halt_steps)
-        # From page-locked memory (on CUDA), the draws join the device's queue without the host waiting for it. The
-        # device's type says so, not is_pinned(), which can start a CUDA context on a GPU host training on its CPU.
-        cuda = torch.device(device).type == devices.CUDA
-        return cls(devices.page_locked(min_halt_steps, device).to(device, non_blocking=cuda))
+        return cls(devices.queued_copy(min_halt_steps, device))
 
     def __getitem__(self, index: slice | torch.Tensor) -> Exploration:
         return Exploration(self.min_halt_steps[index])

@@ -193,8 +193,7 @@ class Trainer:
         """
         batch = self._next_global_batch()
         if self.device.type == devices.CUDA:
-            pinned = {k: devices.page_locked(v, self.device) for k, v in batch.items()}
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in pinned.items()}
+            batch = {k: devices.queued_copy(v, self.device) for k, v in batch.items()}
         self._prefetched = batch
         self.task.prepare_step(self.global_batch)
 
