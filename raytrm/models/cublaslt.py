@@ -1,0 +1,370 @@
+"""Half-precision matrix products on NVIDIA GPUs with the cuBLASLt algorithm measured fastest for each shape.
+
+torch.mm asks cuBLAS, which runs the first algorithm of its heuristic. At TRM's shapes that is often not the fastest
+of the algorithms cuBLASLt's heuristic offers: on an H200 (2026-11-26, build/lt_probe.py, medians of CUDA-event
+timings over three inputs), at batch 768 of Sudoku (74,496 rows) the attention's qkv projection, [74,496 x 512] @
+[512 x 1536], took 162 us with one of the eight against 205 for torch.mm; the feature SwiGLU's [512 x 3072] 323 us
+against 345-387; the output projection, [512 x 512], 69 against 76-78.
+
+So, as PyTorch's TunableOp does for ROCm's libraries (on CUDA it has only cuBLAS's default), the first call of each
+shape times the heuristic's algorithms and torch.mm on the call's own operands, and that shape keeps the fastest for
+the rest of the process. Only an algorithm whose result equals torch.mm's to the bit on that call may win, so the
+choice changes how fast a product runs, never what it gives: algorithms that sum in another order (split-K ones)
+show it at once on tens of millions of outputs. The choices are logged, one line a shape.
+
+`linear` serves raytrm's Linear layers, forward and both gradients, as the operator torch.ops.raytrm.mm (opaque to
+torch.compile, which would otherwise call cuBLAS itself). cuBLASLt is the copy torch loaded, called through ctypes;
+where there is none (CPU builds of torch), or off CUDA, or in other dtypes, products are torch's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Tests and A/B runs turn this off: products then run torch.mm, through the same operator.
+ENABLED = True
+
+#: How many algorithms to ask cuBLASLt's heuristic for (it offered 8 at TRM's shapes on an H200).
+CANDIDATES = 16
+#: The workspace an algorithm may use, one a device (_workspace).
+WORKSPACE_BYTES = 32 * 1024 * 1024
+#: Timing a candidate: untimed calls, then the median over ROUNDS of REPEATS calls each.
+WARMUP, ROUNDS, REPEATS = 2, 5, 3
+
+# cuBLASLt's enums (cublasLt.h, library_types.h).
+_OP_N, _OP_T = 0, 1
+_DTYPES = {torch.bfloat16: 14, torch.float16: 2}  # CUDA_R_16BF, CUDA_R_16F
+_R_32F, _COMPUTE_32F = 0, 68
+_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_PREF_MAX_WORKSPACE, _PREF_ALIGNMENT = 1, (5, 6, 7, 8)  # ..._MIN_ALIGNMENT_{A,B,C,D}_BYTES
+_MAX_ALIGNMENT = 256
+
+
+class _Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _Heuristic(ctypes.Structure):
+    _fields_ = [
+        ("algo", _Algo),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
+
+
+def _library_path() -> str | None:
+    """The libcublasLt torch loaded (it comes with libtorch_cuda), else one in the nvidia wheels beside torch."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "libcublasLt.so" in line:
+                    return line.split()[-1]
+    except OSError:
+        pass
+    try:
+        import nvidia  # the CUDA wheels torch depends on
+    except ImportError:
+        return None
+    for base in nvidia.__path__:
+        for path in sorted(glob.glob(os.path.join(base, "*", "lib", "libcublasLt.so*"))):
+            return path
+    return None
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """cuBLASLt with the signatures used here, and why not (None where it loaded)."""
+    if not torch.cuda.is_available():
+        return None, "no CUDA device"
+    path = _library_path()
+    if path is None:
+        return None, "torch loaded no cuBLASLt"
+    lib = ctypes.CDLL(path)
+    p, i, u64, i64, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+    for name, args in (
+        ("cublasLtCreate", [ctypes.POINTER(p)]),
+        ("cublasLtMatmulDescCreate", [ctypes.POINTER(p), i, i]),
+        ("cublasLtMatmulDescSetAttribute", [p, i, p, size]),
+        ("cublasLtMatrixLayoutCreate", [ctypes.POINTER(p), i, u64, u64, i64]),
+        ("cublasLtMatmulPreferenceCreate", [ctypes.POINTER(p)]),
+        ("cublasLtMatmulPreferenceSetAttribute", [p, i, p, size]),
+        ("cublasLtMatmulAlgoGetHeuristic", [p, p, p, p, p, p, p, i, ctypes.POINTER(_Heuristic), ctypes.POINTER(i)]),
+        ("cublasLtMatmul", [p, p, p, p, p, p, p, p, p, p, p, p, ctypes.POINTER(_Algo), p, size, p]),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib, None
+
+
+_lib: ctypes.CDLL | None = None
+_loaded = False
+
+
+def register() -> bool:
+    """Load cuBLASLt, once a process; True where it loaded. Called when a model is built, so that under torch.compile
+    `serves` reads a settled module state."""
+    global _lib, _loaded
+    if not _loaded:
+        _lib, why_not = _load()
+        _loaded = True
+        if _lib is None:
+            logger.debug("Half-precision products run on torch.mm: %s", why_not)
+    return _lib is not None
+
+
+def _library() -> ctypes.CDLL:
+    register()
+    assert _lib is not None, "cuBLASLt is not loaded"
+    return _lib
+
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"cuBLASLt's {call} failed with status {status}")
+
+
+def operand(t: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """How cuBLASLt, column-major, sees the 2-D row-major view t [r, c] as the transpose it needs, t^T [c, r]:
+    (op, rows, cols, leading dimension) of the matrix in memory, or None where t is neither row- nor column-major.
+
+    Row-major t is column-major t^T, taken as it is; column-major t (a transposed view) is taken transposed.
+    """
+    r, c = t.shape
+    if t.stride(1) == 1 and (r == 1 or t.stride(0) >= c):
+        return _OP_N, c, r, max(t.stride(0), c)
+    if t.stride(0) == 1 and (c == 1 or t.stride(1) >= r):
+        return _OP_T, r, c, max(t.stride(1), r)
+    return None
+
+
+def _alignment(*tensors: torch.Tensor) -> int:
+    """The largest power of two, at most 256, that divides every tensor's address."""
+    address = 0
+    for t in tensors:
+        address |= t.data_ptr()
+    return min(_MAX_ALIGNMENT, address & -address) if address else _MAX_ALIGNMENT
+
+
+@dataclass
+class _Plan:
+    """One shape's product: its descriptors and the algorithm that won, or None where torch.mm did."""
+
+    desc: ctypes.c_void_p
+    layouts: tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]  # b's, a's, out's
+    algo: _Algo | None
+
+
+_handles: dict[int, ctypes.c_void_p] = {}
+_workspaces: dict[int, torch.Tensor] = {}
+_plans: dict[tuple, _Plan] = {}
+_ALPHA, _BETA = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+
+def _handle(device: int) -> ctypes.c_void_p:
+    if device not in _handles:
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            _check(_library().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+        _handles[device] = handle
+    return _handles[device]
+
+
+def _workspace(device: int) -> torch.Tensor:
+    """The device's workspace, kept for the process. It is allocated on a stream of its own, so never from a CUDA
+    graph's private pool (torch.compile's CUDA graphs allocate the current stream's memory there while they warm
+    up, and refuse tensors in it that outlive a graph). Products run on one stream at a time in raytrm, so one
+    workspace a device serves them all."""
+    if device not in _workspaces:
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            _workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
+    return _workspaces[device]
+
+
+def _layout(dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
+    layout = ctypes.c_void_p()
+    _check(_library().cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "layout")
+    return layout
+
+
+def _candidates(a: torch.Tensor, b: torch.Tensor, alignment: int) -> tuple[ctypes.c_void_p, tuple, list[_Heuristic]]:
+    """The descriptors of out = a @ b as cuBLASLt's out^T = b^T a^T, and its heuristic's algorithms."""
+    lib = _library()
+    dtype = _DTYPES[a.dtype]
+    (op_b, *b_shape), (op_a, *a_shape) = operand(b), operand(a)
+    desc = ctypes.c_void_p()
+    _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "descriptor")
+    for attribute, op in ((_DESC_TRANSA, op_b), (_DESC_TRANSB, op_a)):
+        value = ctypes.c_int(op)
+        _check(lib.cublasLtMatmulDescSetAttribute(desc, attribute, ctypes.byref(value), 4), "transpose")
+    M, N = a.shape[0], b.shape[1]
+    layouts = (_layout(dtype, *b_shape), _layout(dtype, *a_shape), _layout(dtype, N, M, N))
+    preference = ctypes.c_void_p()
+    _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "preference")
+    settings = [(_PREF_MAX_WORKSPACE, ctypes.c_uint64(WORKSPACE_BYTES))]
+    settings += [(attribute, ctypes.c_uint32(alignment)) for attribute in _PREF_ALIGNMENT]
+    for attribute, setting in settings:
+        status = lib.cublasLtMatmulPreferenceSetAttribute(
+            preference, attribute, ctypes.byref(setting), ctypes.sizeof(setting)
+        )
+        _check(status, "preference")
+    results = (_Heuristic * CANDIDATES)()
+    count = ctypes.c_int()
+    status = lib.cublasLtMatmulAlgoGetHeuristic(
+        _handle(a.device.index), desc, layouts[0], layouts[1], layouts[2], layouts[2], preference, CANDIDATES, results,
+        ctypes.byref(count),
+    )  # fmt: skip
+    found = [results[i] for i in range(count.value)] if status == 0 else []
+    return desc, layouts, [h for h in found if h.state == 0 and h.workspace_size <= WORKSPACE_BYTES]
+
+
+def _run(plan: _Plan, algo: _Algo, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    device = a.device.index
+    stream = torch.cuda.current_stream(device).cuda_stream
+    workspace = _workspace(device)
+    b_layout, a_layout, out_layout = plan.layouts
+    status = _library().cublasLtMatmul(
+        _handle(device), plan.desc, ctypes.byref(_ALPHA), b.data_ptr(), b_layout, a.data_ptr(), a_layout,
+        ctypes.byref(_BETA), out.data_ptr(), out_layout, out.data_ptr(), out_layout, ctypes.byref(algo),
+        workspace.data_ptr(), WORKSPACE_BYTES, stream,
+    )  # fmt: skip
+    _check(status, "cublasLtMatmul")
+
+
+def _time(fn) -> float:
+    """Median seconds a call of fn over ROUNDS rounds of REPEATS calls (after WARMUP), by CUDA events."""
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPEATS):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / REPEATS)
+    return statistics.median(times)
+
+
+def _tune(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alignment: int) -> _Plan:
+    """Time torch.mm and the heuristic's algorithms that give torch.mm's bits on a and b; the fastest wins."""
+    desc, layouts, found = _candidates(a, b, alignment)
+    plan = _Plan(desc, layouts, None)
+    expected = torch.mm(a, b)
+    best = base = _time(lambda: torch.mm(a, b, out=out))
+    chosen = None
+    for index, heuristic in enumerate(found):
+        try:
+            _run(plan, heuristic.algo, a, b, out)
+        except RuntimeError:
+            continue
+        if not torch.equal(out, expected):
+            continue
+        seconds = _time(lambda h=heuristic: _run(plan, h.algo, a, b, out))
+        if seconds < best:
+            best, chosen, plan.algo = seconds, index, _Algo.from_buffer_copy(heuristic.algo)
+    M, K, N = a.shape[0], a.shape[1], b.shape[1]
+    shape = f"[{M} x {K}] @ [{K} x {N}] ({str(a.dtype).removeprefix('torch.')})"
+    if chosen is None:
+        logger.info(
+            "Products %s: torch.mm, %.0f us (no faster one of %d cuBLASLt offered)", shape, base * 1e6, len(found)
+        )
+    else:
+        logger.info(
+            "Products %s: cuBLASLt's algorithm %d of %d, %.0f us against torch.mm's %.0f", shape, chosen, len(found),
+            best * 1e6, base * 1e6,
+        )  # fmt: skip
+    return plan
+
+
+def available(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a @ b may run on cuBLASLt: 2-D CUDA tensors of one half dtype, each row- or column-major."""
+    return (
+        ENABLED
+        and a.device.type == "cuda"
+        and a.dim() == b.dim() == 2
+        and a.dtype == b.dtype
+        and a.dtype in _DTYPES
+        and a.shape[0] * a.shape[1] * b.shape[1] > 0
+        and operand(a) is not None
+        and operand(b) is not None
+        and register()
+    )
+
+
+def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, as torch.mm gives it, with the fastest algorithm for its shape (module docstring)."""
+    if not available(a, b):
+        return torch.mm(a, b)
+    out = a.new_empty(a.shape[0], b.shape[1])
+    alignment = _alignment(a, b, out)
+    key = (a.device.index, a.dtype, operand(a), operand(b), b.shape[1], alignment)
+    plan = _plans.get(key)
+    if plan is None:
+        if torch.cuda.is_current_stream_capturing():  # no timing inside a CUDA graph's capture
+            return torch.mm(a, b)
+        plan = _plans[key] = _tune(a, b, out, alignment)
+    if plan.algo is None:
+        torch.mm(a, b, out=out)
+    else:
+        _run(plan, plan.algo, a, b, out)
+    return out
+
+
+@torch.library.custom_op("raytrm::mm", mutates_args=())
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for 2-D a and b (`product`)."""
+    return product(a, b)
+
+
+@mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def _setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+    a, b = ctx.saved_tensors
+    grad_a = torch.ops.raytrm.mm(grad, b.t()) if ctx.needs_input_grad[0] else None
+    grad_b = torch.ops.raytrm.mm(a.t(), grad) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b
+
+
+mm.register_autograd(_backward, setup_context=_setup)
+
+
+def _mm_flops(a_shape: torch.Size, b_shape: torch.Size, *args: object, **kwargs: object) -> int:
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
+def _register_flops() -> None:
+    from torch.utils.flop_counter import register_flop_formula
+
+    register_flop_formula(torch.ops.raytrm.mm)(_mm_flops)
+
+
+_register_flops()
+
+
+def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a Linear's x @ weight.T goes through the operator: on CUDA in half precision, where cuBLASLt loaded."""
+    return ENABLED and _lib is not None and x.device.type == "cuda" and x.dtype in _DTYPES and weight.dtype == x.dtype
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) (no bias: F.linear adds one inside cuBLAS's product, rounding once) with its products,
+    forward and backward, on torch.ops.raytrm.mm."""
+    return torch.ops.raytrm.mm(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
