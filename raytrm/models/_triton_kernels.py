@@ -205,8 +205,11 @@ def swiglu_gate_backward_kernel(
 #:   descriptors), 0.443 ms at 3 stages against 0.516-0.524 with pointer loads at 4, to the same bits (2026-11-25,
 #:   build/down_tma_probe.py; 4 stages 0.516, tiles of 128 rows or 256 columns 0.54 ms and more). The forward's
 #:   loads as TMA copies were no faster (0.351 ms against 0.351-0.363).
+#: The backward's tiles are the autotuner's pick of SWIGLU_DOWN_BACKWARD's, which give the same bits (their inner
+#: steps alike): on an H200 tiles of 128 rows took 388.9 us against 409.6 (2026-11-26, build/config_sweep.py, the
+#: fastest of 24), where the H100 above had them slower.
 SWIGLU_DOWN = (128, 256, 64, 8, 3)
-SWIGLU_DOWN_BACKWARD = (64, 128, 64, 4, 3)
+SWIGLU_DOWN_BACKWARD = ((64, 128, 64, 4, 3), (128, 128, 64, 4, 3))
 #: Row blocks of the backward's tiles that run side by side, sharing the weight's column blocks in L2.
 SWIGLU_DOWN_GROUP = 8
 
@@ -254,6 +257,22 @@ def swiglu_down_kernel(
     tl.store(out_ptr + rows[:, None] * N + columns[None, :], out.to(dtype), mask=mask)
 
 
+def _down_blocks(nargs: dict) -> None:
+    """The autotuner's hook before a launch of swiglu_down_backward_kernel: its descriptors' blocks set to the
+    config's tiles."""
+    m, n, k = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["grad"].block_shape = [m, k]
+    nargs["w"].block_shape = [k, n]
+    nargs["gate_up"].block_shape = nargs["grad_gate_up"].block_shape = [m, 1, n]
+
+
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s, pre_hook=_down_blocks)
+        for m, n, k, w, s in (SWIGLU_DOWN_BACKWARD[:1] if interpreted() else SWIGLU_DOWN_BACKWARD)
+    ],
+    key=["M", "N", "F"],
+)
 @triton.jit
 def swiglu_down_backward_kernel(
     grad, w, gate_up, grad_gate_up, M, N, F, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -404,8 +423,9 @@ def rope_qkv_backward_kernel(
         _store_rotated_back(dst, g1.to(tl.float32), g2.to(tl.float32), c, s, mask, HALF, INTERPRETED)
 
 
-#: How the attention kernels run: (programs per multiprocessor, warps a program, pipeline stages). A program takes a
-#: head at a time, its whole sequence on chip, and then the head num_programs further on, with the loads of its next
+#: How the attention kernels may run: (programs per multiprocessor, warps a program, pipeline stages), the autotuner
+#: timing them at a shape's first call and keeping the fastest (they give the same bits). A program takes a head at a
+#: time, its whole sequence on chip, and then the head num_programs further on, with the loads of its next
 #: heads in flight while it computes one; the RoPE tables are loaded once a program. Measured on an H100 at
 #: TRM-attention's Sudoku shape (768 x 8 heads of 64, 97 positions; 2026-11-25, build scripts timing medians of
 #: do_bench over three inputs in turn):
@@ -416,6 +436,10 @@ def rope_qkv_backward_kernel(
 #:   together at the end, 0.478 ms). Slower: 1 stage (0.45 ms), 3 (1.24 ms or over the shared memory), 16 warps
 #:   (spilled, 1.1 ms and more), queries in blocks of 64 or 32 (spilled, 1.0 ms and more).
 #: Two to four programs a multiprocessor took the same time as one: a program holds most of its registers.
+#: Since the TMA copies and the scale inside the exponent's multiply-add, the forward fits two programs of 4 warps to
+#: a multiprocessor without spilling: on an H200 (2026-11-26, build/config_sweep.py, medians of do_bench over three
+#: inputs) 138.2 us against 153.5 for (1, 8, 3), the same bits; the other 10 launches of 1-2 programs, 4-8 warps and
+#: 2-4 stages took 155.5 us or more, and no backward launch beat (1, 8, 2) (369.5 us against 369.9; 4 warps 785).
 #: Loads and stores are TMA copies through tensor descriptors: no address arithmetic and no masks in the programs,
 #: and the next heads' tiles land in shared memory. On an H100 (2026-11-25, build/attn_tma_probe.py) the backward
 #: took 0.350 ms against 0.437-0.438 with pointer loads (255 registers and 14 spills, against 46), the forward 0.164
@@ -423,8 +447,16 @@ def rope_qkv_backward_kernel(
 #: Hopper have no TMA, and Triton turns the copies back into pointer loads: compiled here for an A100 (sm_80, Triton
 #: 3.9), those kernels spill far more than the pointer-load ones did (6 KB a thread forward and 13 KB backward,
 #: against 0.1 and 3 KB), so such GPUs keep the plain formulas (kernels.TMA_CAPABILITY).
-ATTENTION_FORWARD = (1, 8, 3)
-ATTENTION_BACKWARD = (1, 8, 2)
+ATTENTION_FORWARD = ((1, 8, 3), (2, 4, 2))
+ATTENTION_BACKWARD = ((1, 8, 2),)
+
+
+def _launches(launches: tuple[tuple[int, int, int], ...]) -> list:
+    """The autotuner's configs for the attention kernels' launches (the first alone under the interpreter)."""
+    return [
+        triton.Config({"PROGRAMS_PER_SM": programs, "STAGES": stages}, num_warps=warps)
+        for programs, warps, stages in (launches[:1] if interpreted() else launches)
+    ]
 
 
 @triton.jit
@@ -501,17 +533,19 @@ def _attention_head(
     return batch, column, q1, q2, k1, k2, v, scores
 
 
+@triton.autotune(configs=_launches(ATTENTION_FORWARD), key=["heads", "L", "H"])
 @triton.jit
 def rope_attention_kernel(
     qk, v_desc, out_desc, cos_ptr, sin_ptr, lse_ptr, heads, L, H, table_stride, scale, BLOCK_L: tl.constexpr,
-    HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
+    HALF: tl.constexpr, STAGES: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """out [batch, L, H * 2 * HALF] = softmax(q k^T * scale) v, a head at a time (heads = batch * H of them, the
     program's every num_programs-th, the loads of the next STAGES - 1 in flight), the whole sequence (L <= BLOCK_L)
     on chip, q and k rotated by position on the way in; lse [batch * H, BLOCK_L] the rows' log2-sum-exp2 of the
     scores in log2 units, for the backward. The probabilities are rounded to qkv's dtype for the second product (as
     flash attention's kernels do), and their sum divides its fp32 result. qk and v_desc are qkv's descriptors (see
-    _attention_head), out_desc out's, of block [1, BLOCK_L, 2 * HALF]."""
+    _attention_head), out_desc out's, of block [1, BLOCK_L, 2 * HALF]. PROGRAMS_PER_SM sets the launch's grid
+    (kernels.attention_launch), not the program."""
     c, s = _tables(cos_ptr, sin_ptr, L, table_stride, BLOCK_L, HALF)
     positions = tl.arange(0, BLOCK_L)
     for head in tl.range(tl.program_id(0), heads, tl.num_programs(0), num_stages=STAGES):
@@ -526,10 +560,12 @@ def rope_attention_kernel(
         tl.store(lse_ptr + head * BLOCK_L + positions, top + tl.log2(total))
 
 
+@triton.autotune(configs=_launches(ATTENTION_BACKWARD), key=["heads", "L", "H"])
 @triton.jit
 def rope_attention_backward_kernel(
     qk, v_desc, out_desc, grad_desc, grad_qk, grad_v_desc, cos_ptr, sin_ptr, lse_ptr, heads, L, H, table_stride,
-    scale, BLOCK_L: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr, INTERPRETED: tl.constexpr,
+    scale, BLOCK_L: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """grad_qkv [batch, L, 3 * H * 2 * HALF] from grad, the gradient of rope_attention_kernel's out, a head at a
     time as there: the probabilities recomputed from lse, the gradients of v, of the scores and of the rotated q and

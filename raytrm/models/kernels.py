@@ -261,8 +261,6 @@ def register() -> bool:
         )
 
     from raytrm.models._triton_kernels import (
-        ATTENTION_BACKWARD,
-        ATTENTION_FORWARD,
         BLOCK_I,
         GATE_BLOCK_C,
         GATE_BLOCK_R,
@@ -404,7 +402,7 @@ def register() -> bool:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, out, inner = down_shape(gate_up, w_down)
         grad_gate_up = torch.empty_like(gate_up)
-        block_m, block_n, block_k, warps, stages = SWIGLU_DOWN_BACKWARD
+        block_m, block_n, block_k = SWIGLU_DOWN_BACKWARD[0][:3]  # the autotuner's hook sets its config's blocks
         # The inputs copied where they do not start on 16 bytes; the output is fresh, so it does.
         gate_up_halves = [t.view(rows, 2, inner) for t in (_aligned(gate_up), grad_gate_up)]
         descriptors = (
@@ -412,9 +410,9 @@ def register() -> bool:
             TensorDescriptor.from_tensor(_aligned(w_down), [block_k, block_n]),
             *(TensorDescriptor.from_tensor(t, [block_m, 1, block_n]) for t in gate_up_halves),
         )
-        swiglu_down_backward_kernel[(triton.cdiv(rows, block_m) * triton.cdiv(inner, block_n),)](
-            *descriptors, rows, out, inner, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            GROUP=SWIGLU_DOWN_GROUP, INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages,
+        grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(inner, meta["BLOCK_N"]),)  # noqa: E731
+        swiglu_down_backward_kernel[grid](
+            *descriptors, rows, out, inner, GROUP=SWIGLU_DOWN_GROUP, INTERPRETED=_INTERPRETED
         )  # fmt: skip
         return grad_gate_up, cublaslt.product(grad.view(rows, out).t(), h.view(rows, inner))
 
@@ -490,24 +488,25 @@ def register() -> bool:
     torch.library.register_autograd("raytrm::rope_qkv", rope_backward, setup_context=rope_setup)
 
     def attention_launch(
-        kernel: object, launch: tuple[int, int, int], heads: int, tiles: list[tuple[torch.Tensor, str]],
-        cos: torch.Tensor, sin: torch.Tensor, lse: torch.Tensor,
+        kernel: object, heads: int, tiles: list[tuple[torch.Tensor, str]], cos: torch.Tensor, sin: torch.Tensor,
+        lse: torch.Tensor,
     ) -> None:  # fmt: skip
         """Run an attention kernel over qkv [B, L, 3 * heads * head_dim] (tiles' first tensor), a head at a time in
-        `launch`'s (programs per multiprocessor, warps, stages), with SDPA's scale. tiles: the [B, L, width] tensors
-        it reads and writes, in its arguments' order, each through a descriptor of a head's "half" or "head" of
-        columns over one batch row's positions."""
+        the launch its autotuner picked (programs per multiprocessor, warps, stages; _triton_kernels, beside
+        ATTENTION_FORWARD), with SDPA's scale. tiles: the [B, L, width] tensors it reads and writes, in its
+        arguments' order, each through a descriptor of a head's "half" or "head" of columns over one batch row's
+        positions."""
         qkv = tiles[0][0]
         B, L, width = qkv.shape
         head_dim = width // (3 * heads)
         block_l = lse.shape[1]
         columns = {"half": head_dim // 2, "head": head_dim}
         descriptors = [TensorDescriptor.from_tensor(t, [1, block_l, columns[part]]) for t, part in tiles]
-        per_multiprocessor, warps, stages = launch
-        programs = min(B * heads, per_multiprocessor * _multiprocessors(qkv.device))
-        kernel[(programs,)](
+        multiprocessors = _multiprocessors(qkv.device)
+        grid = lambda meta: (min(B * heads, meta["PROGRAMS_PER_SM"] * multiprocessors),)  # noqa: E731
+        kernel[grid](
             *descriptors, cos, sin, lse, B * heads, L, heads, cos.stride(0), head_dim**-0.5, BLOCK_L=block_l,
-            HALF=head_dim // 2, STAGES=stages, INTERPRETED=_INTERPRETED, num_warps=warps,
+            HALF=head_dim // 2, INTERPRETED=_INTERPRETED,
         )  # fmt: skip
 
     def attention_outputs(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -525,7 +524,7 @@ def register() -> bool:
         out, lse = attention_outputs(qkv, heads)
         qkv = _aligned(qkv)
         tiles = [(qkv, "half"), (qkv, "head"), (out, "head")]
-        attention_launch(rope_attention_kernel, ATTENTION_FORWARD, heads, tiles, cos, sin, lse)
+        attention_launch(rope_attention_kernel, heads, tiles, cos, sin, lse)
         return out, lse
 
     @rope_attention_op.register_fake
@@ -540,7 +539,7 @@ def register() -> bool:
         grad_qkv = torch.empty_like(qkv)
         qkv, out, grad = _aligned(qkv), _aligned(out), _aligned(grad)
         tiles = [(qkv, "half"), (qkv, "head"), (out, "head"), (grad, "head"), (grad_qkv, "half"), (grad_qkv, "head")]
-        attention_launch(rope_attention_backward_kernel, ATTENTION_BACKWARD, heads, tiles, cos, sin, lse)
+        attention_launch(rope_attention_backward_kernel, heads, tiles, cos, sin, lse)
         return grad_qkv
 
     @rope_attention_backward_op.register_fake

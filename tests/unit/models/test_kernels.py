@@ -599,6 +599,79 @@ def test_on_cuda_every_tile_the_autotuner_may_pick_gives_the_same_bits():
 
 @needs_cuda
 @needs_triton
+def test_on_cuda_every_launch_the_attention_autotuners_may_pick_gives_the_same_bits():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from raytrm.models import _triton_kernels as tk
+
+    torch.manual_seed(0)
+    B, L, H, D = 48, 97, 8, 64
+    qkv = torch.randn(B, L, 3 * H * D, device="cuda").bfloat16()
+    grad = torch.randn(B, L, H * D, device="cuda").bfloat16()
+    cos, sin = RotaryEmbedding(D, 128, 10000.0).cuda()()
+    multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count
+    kernels.register()
+
+    def run(kernel, config, tiles, lse):
+        descriptors = [TensorDescriptor.from_tensor(t, [1, 128, D // 2 if half else D]) for t, half in tiles]
+        programs = min(B * H, config.kwargs["PROGRAMS_PER_SM"] * multiprocessors)
+        kernel.fn[(programs,)](
+            *descriptors, cos, sin, lse, B * H, L, H, cos.stride(0), D**-0.5, BLOCK_L=128, HALF=D // 2,
+            INTERPRETED=False, num_warps=config.num_warps, **config.kwargs,
+        )  # fmt: skip
+
+    forwards, backwards = [], []
+    for config in tk.rope_attention_kernel.configs:
+        out, lse = qkv.new_empty(B, L, H * D), torch.empty(B * H, 128, device="cuda")
+        run(tk.rope_attention_kernel, config, [(qkv, True), (qkv, False), (out, False)], lse)
+        forwards.append((out, lse))
+    out, lse = forwards[0]
+    for config in tk.rope_attention_backward_kernel.configs:
+        grad_qkv = torch.empty_like(qkv)
+        tiles = [(qkv, True), (qkv, False), (out, False), (grad, False), (grad_qkv, True), (grad_qkv, False)]
+        run(tk.rope_attention_backward_kernel, config, tiles, lse)
+        backwards.append(grad_qkv)
+    assert len(tk.rope_attention_kernel.configs) > 1
+    assert all(torch.equal(o, out) and torch.equal(s, lse) for o, s in forwards[1:])
+    assert all(torch.equal(g, backwards[0]) for g in backwards[1:])
+    assert torch.equal(kernels.rope_attention(qkv, cos, sin, H), out)
+
+
+@needs_cuda
+@needs_triton
+def test_on_cuda_every_tile_the_down_projections_backward_autotuner_may_pick_gives_the_same_bits():
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from raytrm.models import _triton_kernels as tk
+
+    torch.manual_seed(0)
+    M, N, F = 3000, 512, 1536
+    grad = torch.randn(M, N, device="cuda").bfloat16()
+    w = (torch.randn(N, F, device="cuda") * F**-0.5).bfloat16()
+    gate_up = (2 * torch.randn(M, 2 * F, device="cuda")).bfloat16()
+    results = []
+    for config in tk.swiglu_down_backward_kernel.configs:
+        m, n, k = (config.kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+        grad_gate_up = torch.empty_like(gate_up)
+        descriptors = (
+            TensorDescriptor.from_tensor(grad, [m, k]),
+            TensorDescriptor.from_tensor(w, [k, n]),
+            *(TensorDescriptor.from_tensor(t.view(M, 2, F), [m, 1, n]) for t in (gate_up, grad_gate_up)),
+        )
+        tk.swiglu_down_backward_kernel.fn[(triton.cdiv(M, m) * triton.cdiv(F, n),)](
+            *descriptors, M, N, F, GROUP=tk.SWIGLU_DOWN_GROUP, INTERPRETED=False, num_warps=config.num_warps,
+            num_stages=config.num_stages, **config.kwargs,
+        )  # fmt: skip
+        results.append(grad_gate_up)
+    assert len(results) > 1
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+    h = torch.empty(M, F, device="cuda").bfloat16()
+    assert torch.equal(torch.ops.raytrm.swiglu_down_backward(grad, gate_up, w, h)[0], results[0])
+
+
+@needs_cuda
+@needs_triton
 @pytest.mark.parametrize("dim", [0, -1])
 def test_on_cuda_the_gate_operator_equals_the_plain_formulas_eager_and_compiled(dim):
     from raytrm.models.layers import _SwiGLUGate
