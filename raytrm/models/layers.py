@@ -365,13 +365,10 @@ class SwiGLU(nn.Module):
     def forward_columns(self, x: torch.Tensor) -> torch.Tensor:
         """The same map applied to every column of a 2-D x [hidden, N], i.e. forward(x.T).T without transposes.
 
-        Mixing along a leading dimension this way is a plain matrix product on a contiguous tensor (on cuBLASLt where
-        a Linear's would be).
+        Mixing along a leading dimension this way is a plain matrix product on a contiguous tensor.
         """
-        w_gate_up, w_down = cast(self.gate_up_proj.weight, x.dtype), cast(self.down_proj.weight, x.dtype)
-        mm = cublaslt.mm if cublaslt.serves(x, w_gate_up) else torch.mm
-        gate_up = mm(w_gate_up, x)
-        return mm(w_down, swiglu_gate(gate_up, dim=0))
+        gate_up = torch.mm(cast(self.gate_up_proj.weight, x.dtype), x)
+        return torch.mm(cast(self.down_proj.weight, x.dtype), swiglu_gate(gate_up, dim=0))
 
 
 def mix_columns_in_blocks(mlp: SwiGLU, cols: torch.Tensor, eps: float, block: int) -> torch.Tensor:
