@@ -159,6 +159,18 @@ def test_on_cuda_linear_layers_run_the_operator_with_f_linears_bits_forward_and_
 
 
 @needs_cuda
+def test_on_cuda_linear_layers_with_widths_off_multiples_of_8_keep_torchs_products():
+    x = torch.randn(4, 97, device="cuda").bfloat16()
+    assert cublaslt.serves(x[:, :96], torch.empty(512, 96, device="cuda").bfloat16())
+    assert not cublaslt.serves(x, torch.empty(512, 97, device="cuda").bfloat16())
+    assert not cublaslt.serves(x[:, :96], torch.empty(11, 96, device="cuda").bfloat16())
+    layer = Linear(512, 11).cuda()
+    with OpsSeen() as seen:
+        layer(torch.randn(3, 512, device="cuda").bfloat16())
+    assert "raytrm::mm" not in seen.names
+
+
+@needs_cuda
 def test_on_cuda_a_shape_first_met_inside_a_graph_capture_runs_torch_mm_there():
     a = torch.randn(640, 320, device="cuda").bfloat16()
     b = torch.randn(320, 192, device="cuda").bfloat16()
