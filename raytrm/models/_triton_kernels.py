@@ -223,15 +223,16 @@ SWIGLU_DOWN_NORM = (64, 64, 8, 3)
 
 @triton.jit
 def swiglu_down_kernel(
-    gate_up_ptr, w_ptr, out_ptr, x_ptr, M, N, F, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NORM: tl.constexpr, INTERPRETED: tl.constexpr,
+    gate_up_ptr, w_ptr, out_ptr, x_ptr, then_ptr, M, N, F, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, NORM: tl.constexpr, THEN_ADD: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """out [M, N] = (silu(gate) * up) @ w^T for gate_up [M, 2 * F] (gate, then up, in each row) and w [N, F]: the
     down projection with the gate computed on the way in (_gated, rounded as the gate operator's), so that the
     gate's [M, F] output never goes to memory. With NORM (then BLOCK_N >= N: a tile holds whole rows), out is
-    rms_norm(x + that) instead, x [M, N], added in out's dtype and normalised in fp32 as the plain formulas do. A
-    program takes a tile; a row block's tiles are neighbours, so its gate_up comes from memory once. F must be a
-    multiple of BLOCK_K."""
+    rms_norm(x + that) instead, x [M, N], added in out's dtype and normalised in fp32 as the plain formulas do; with
+    THEN_ADD too, out is that norm plus then [M, N], added in out's dtype (the next network's input, which would
+    otherwise be a pass of its own). A program takes a tile; a row block's tiles are neighbours, so its gate_up comes
+    from memory once. F must be a multiple of BLOCK_K."""
     dtype = out_ptr.dtype.element_ty
     column_blocks = tl.cdiv(N, BLOCK_N)
     rows = ((tl.program_id(0) // column_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -254,6 +255,9 @@ def swiglu_down_kernel(
         s = _rounded(x + out, dtype, INTERPRETED)
         r = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / N + eps)
         out = _rounded(s * r[:, None], dtype, INTERPRETED)
+        if THEN_ADD:
+            then = tl.load(then_ptr + rows[:, None] * N + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+            out = _rounded(out + then, dtype, INTERPRETED)
     tl.store(out_ptr + rows[:, None] * N + columns[None, :], out.to(dtype), mask=mask)
 
 

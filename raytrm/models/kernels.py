@@ -150,19 +150,22 @@ def fused_swiglu_down_available(gate_up: torch.Tensor, w_down_shape: tuple[int, 
 MAX_NORM_WIDTH = 512
 
 
-def fused_swiglu_down_norm_available(x: torch.Tensor, gate_up: torch.Tensor, w_down_shape: tuple[int, ...]) -> bool:
-    """Whether swiglu_down_norm serves x [..., out] and its SwiGLU's gate_up: no gradient is being recorded,
-    swiglu_down serves gate_up, out is a power of two of at most MAX_NORM_WIDTH, and x is contiguous in gate_up's
-    dtype and rows."""
+def fused_swiglu_down_norm_available(
+    x: torch.Tensor, gate_up: torch.Tensor, w_down_shape: tuple[int, ...], then: torch.Tensor | None = None
+) -> bool:
+    """Whether swiglu_down_norm serves x [..., out] and its SwiGLU's gate_up (and then): no gradient is being
+    recorded, swiglu_down serves gate_up, out is a power of two of at most MAX_NORM_WIDTH, and x (and then) are
+    contiguous in gate_up's dtype and rows."""
     out = w_down_shape[0]
     return (
         not torch.is_grad_enabled()
         and fused_swiglu_down_available(gate_up, w_down_shape)
         and out <= MAX_NORM_WIDTH
         and out & (out - 1) == 0
-        and x.is_contiguous()
-        and x.dtype == gate_up.dtype
-        and x.shape == (*gate_up.shape[:-1], out)
+        and all(
+            t.is_contiguous() and t.dtype == gate_up.dtype and t.shape == (*gate_up.shape[:-1], out)
+            for t in (x, x if then is None else then)
+        )
     )
 
 
@@ -350,8 +353,14 @@ def register() -> bool:
         out, inner = w_down_shape
         return products * 2 * (math.prod(gate_up_shape) // (2 * inner)) * inner * out
 
-    def down_launch(gate_up: torch.Tensor, w_down: torch.Tensor, x: torch.Tensor | None, eps: float) -> torch.Tensor:
-        """swiglu_down_kernel over gate_up: the down projection, or with x the norm of x plus it."""
+    def down_launch(
+        gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        x: torch.Tensor | None,
+        eps: float,
+        then: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """swiglu_down_kernel over gate_up: the down projection, or with x the norm of x plus it (plus then)."""
         rows, out, inner = down_shape(gate_up, w_down)
         y = gate_up.new_empty(*gate_up.shape[:-1], out)
         if x is None:
@@ -360,26 +369,31 @@ def register() -> bool:
         else:
             (block_m, block_k, warps, stages), block_n = SWIGLU_DOWN_NORM, triton.next_power_of_2(out)
         swiglu_down_kernel[(triton.cdiv(rows, block_m) * triton.cdiv(out, block_n),)](
-            gate_up, w_down, y, y if x is None else x, rows, out, inner, eps, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, NORM=x is not None, INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages,
+            gate_up, w_down, y, y if x is None else x, y if then is None else then, rows, out, inner, eps,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=x is not None, THEN_ADD=then is not None,
+            INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return y
 
     # Opaque operators, as the attention's below: their launches are tuned here, not by inductor.
     @torch.library.custom_op("raytrm::swiglu_down", mutates_args=())
     def swiglu_down_op(gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-        return down_launch(gate_up, w_down, None, 0.0)
+        return down_launch(gate_up, w_down, None, 0.0, None)
 
     @swiglu_down_op.register_fake
     def _(gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
         return gate_up.new_empty(*gate_up.shape[:-1], w_down.shape[0])
 
     @torch.library.custom_op("raytrm::swiglu_down_norm", mutates_args=())
-    def swiglu_down_norm_op(gate_up: torch.Tensor, w_down: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
-        return down_launch(gate_up, w_down, x, eps)
+    def swiglu_down_norm_op(
+        gate_up: torch.Tensor, w_down: torch.Tensor, x: torch.Tensor, eps: float, then: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return down_launch(gate_up, w_down, x, eps, then)
 
     @swiglu_down_norm_op.register_fake
-    def _(gate_up: torch.Tensor, w_down: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    def _(
+        gate_up: torch.Tensor, w_down: torch.Tensor, x: torch.Tensor, eps: float, then: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return torch.empty_like(x)
 
     @torch.library.custom_op("raytrm::swiglu_down_keeping_gate", mutates_args=())
@@ -607,14 +621,18 @@ def swiglu_down(gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     return torch.ops.raytrm.swiglu_down(gate_up, w_down)
 
 
-def swiglu_down_norm(gate_up: torch.Tensor, w_down: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+def swiglu_down_norm(
+    gate_up: torch.Tensor, w_down: torch.Tensor, x: torch.Tensor, eps: float, then: torch.Tensor | None = None
+) -> torch.Tensor:
     """rms_norm(x + swiglu_down(gate_up, w_down), eps) in one kernel, for the rounds that keep no graph: a
     residual add and norm in the epilogue of swiglu_down's product, a tile holding whole rows. x is added in its
-    dtype and the norm is in fp32, as the eager formulas do.
+    dtype and the norm is in fp32, as the eager formulas do. With `then` (x's shape, dtype and layout), the result
+    plus then, added in its dtype as a separate add would: the next recursion's input, written in place of the
+    norm's output (TRM's latent updates, raytrm.models.trm).
 
-    Only where fused_swiglu_down_norm_available(x, gate_up, w_down.shape).
+    Only where fused_swiglu_down_norm_available(x, gate_up, w_down.shape, then).
     """
-    return torch.ops.raytrm.swiglu_down_norm(gate_up, w_down, x, eps)
+    return torch.ops.raytrm.swiglu_down_norm(gate_up, w_down, x, eps, then)
 
 
 def rope_qkv(

@@ -346,14 +346,16 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._down(self.gate_up_proj(x))
 
-    def add_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        """rms_norm(x + self(x), eps): the SwiGLU with the residual add and norm after it (a post-norm block's)."""
+    def add_norm(self, x: torch.Tensor, eps: float, then: torch.Tensor | None = None) -> torch.Tensor:
+        """rms_norm(x + self(x), eps): the SwiGLU with the residual add and norm after it (a post-norm block's); plus
+        `then`, where given, as a separate add would give it."""
         gate_up = self.gate_up_proj(x)
         w_down = self.down_proj.weight
-        if self.down_proj.bias is None and kernels.fused_swiglu_down_norm_available(x, gate_up, w_down.shape):
-            # On CUDA, without a graph: the add and norm in the down projection's epilogue too.
-            return kernels.swiglu_down_norm(gate_up, cast(w_down, x.dtype), x, eps)
-        return add_rms_norm(x, self._down(gate_up), eps)
+        if self.down_proj.bias is None and kernels.fused_swiglu_down_norm_available(x, gate_up, w_down.shape, then):
+            # On CUDA, without a graph: the add and norm (and then's add) in the down projection's epilogue too.
+            return kernels.swiglu_down_norm(gate_up, cast(w_down, x.dtype), x, eps, then)
+        y = add_rms_norm(x, self._down(gate_up), eps)
+        return y if then is None else y + then
 
     def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         w_down = self.down_proj.weight

@@ -133,7 +133,9 @@ class Block(nn.Module):
             self.attn = Attention(config.hidden_size, config.num_heads, causal=False)
         self.mlp = SwiGLU(config.hidden_size, config.expansion)
 
-    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, then: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output, plus `then` where given (added as a separate add would, in the last kernel where it
+        can be)."""
         if self.mlp_t is not None:
             L, B, D = x.shape
             # The reference mixes and normalises the transposed [B, D, L] tensor, so this norm is over positions.
@@ -153,7 +155,7 @@ class Block(nn.Module):
         else:
             assert self.attn is not None
             x = add_rms_norm(x, self.attn(x, rope), self.eps)
-        return self.mlp.add_norm(x, self.eps)
+        return self.mlp.add_norm(x, self.eps, then)
 
 
 class TRM(nn.Module):
@@ -230,11 +232,10 @@ class TRM(nn.Module):
             x = 0.707106781 * (x + cast(self.embed_pos.weight, self.dtype).unsqueeze(1 - seq))
         return self.embed_scale * x
 
-    def _net(self, h: torch.Tensor, inject: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """The one network of TRM: add the injection, then the blocks."""
-        h = h + inject
-        for block in self.blocks:
-            h = block(h, rope)
+    def _net(self, h: torch.Tensor, rope: Rope, then: torch.Tensor | None = None) -> torch.Tensor:
+        """The one network of TRM, the blocks, on its input h (a state plus its injection); plus `then` where given."""
+        for i, block in enumerate(self.blocks):
+            h = block(h, rope, then if i == len(self.blocks) - 1 else None)
         return h
 
     def _recurse(self, z_H: torch.Tensor, z_L: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,11 +249,19 @@ class TRM(nn.Module):
     def _round(
         self, z_H: torch.Tensor, z_L: torch.Tensor, x: torch.Tensor, rope: Rope
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """L_cycles latent updates from the answer and the input, then one answer update from the latent."""
-        inject = z_H + x  # z_H is fixed during the latent updates, so the sum is formed once
-        for _ in range(self.config.L_cycles):
-            z_L = self._net(z_L, inject, rope)
-        return self._net(z_H, z_L, rope), z_L
+        """L_cycles latent updates from the answer and the input, then one answer update from the latent.
+
+        Each update's network takes its state plus the injection: z_L + (z_H + x) for the latent, z_H + z_L for the
+        answer. z_H is fixed during the latent updates, so z_H + x is formed once, and every latent update but the
+        last adds it to its own output for the next (in the down projection's epilogue in the no-grad rounds on
+        CUDA, raytrm.models.kernels.swiglu_down_norm; the same bits as adding after it).
+        """
+        inject = z_H + x
+        h = z_L + inject
+        for _ in range(self.config.L_cycles - 1):
+            h = self._net(h, rope, then=inject)
+        z_L = self._net(h, rope)
+        return self._net(z_H + z_L, rope), z_L
 
     # -- ACT over the carry --------------------------------------------------------------------------------------
 

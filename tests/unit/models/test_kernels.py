@@ -201,6 +201,10 @@ for shape, out, inner in (((37,), 64, 128), ((5,), 128, 192), ((2, 65), 64, 64))
         y_no_grad = kernels.swiglu_down(gate_up, w)  # the gate inside the product
         assert kernels.fused_swiglu_down_norm_available(x, gate_up, w.shape)
         normed = kernels.swiglu_down_norm(gate_up, w, x, 1e-5)  # and the residual add and norm after it
+        then = torch.randn_like(x)  # and the next recursion's injection after those, to the bit
+        assert kernels.fused_swiglu_down_norm_available(x, gate_up, w.shape, then)
+        assert not kernels.fused_swiglu_down_norm_available(x, gate_up, w.shape, then.float())
+        assert torch.equal(kernels.swiglu_down_norm(gate_up, w, x, 1e-5, then), normed + then)
     expected_normed = add_rms_norm(x, expected.detach(), 1e-5)  # the eager formulas: the add rounded, the norm fp32
     assert counted_ours.get_total_flops() == counted_plain.get_total_flops() > 0
     pairs = ((y, expected), (y_no_grad, expected), (ours.grad, plain.grad), (w_ours.grad, w_plain.grad))
@@ -721,9 +725,12 @@ def test_on_cuda_the_swiglu_down_operator_equals_the_plain_formulas_eager_and_co
     x = torch.randn(96, 97, 512, device="cuda").bfloat16()
     with torch.no_grad():
         expected = add_rms_norm(x, expected.detach(), 1e-5)
+        then = torch.randn_like(x)
         for down_norm in (kernels.swiglu_down_norm, torch.compile(kernels.swiglu_down_norm, fullgraph=True)):
-            off = (down_norm(gate_up, w, x, 1e-5).float() - expected.float()).abs()
+            y = down_norm(gate_up, w, x, 1e-5)
+            off = (y.float() - expected.float()).abs()
             assert (off <= expected.float().abs() * 2**-7 + 1e-30).all() and (off > 0).float().mean() < 0.05, off.max()
+            assert torch.equal(down_norm(gate_up, w, x, 1e-5, then), y + then)
 
 
 @needs_cuda
