@@ -9,25 +9,13 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from raytrm.models import cublaslt
 from raytrm.models.layers import Linear
+from tests.unit.models.test_onednn import OpsSeen
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the lent GPU machine)")
-
-
-class OpsSeen(TorchDispatchMode):
-    """Records the name of every operator dispatched under it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(func._overloadpacket._qualified_op_name)
-        return func(*args, **(kwargs or {}))
 
 
 def as_cublaslt_reads(t: torch.Tensor) -> torch.Tensor:
