@@ -164,9 +164,8 @@ class _Plan:
     desc: ctypes.c_void_p | None = None
     layouts: tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] | None = None  # b's, a's, out's
     algo: _Algo | None = None
-    #: cublasLtMatmul's arguments but the tensors' addresses and the stream, bound once the algorithm is chosen.
-    handle: ctypes.c_void_p | None = None
-    workspace: int = 0
+    handle: ctypes.c_void_p | None = None  # the device's cuBLASLt handle
+    workspace: int = 0  # the device's workspace's address
 
 
 _handles: dict[int, ctypes.c_void_p] = {}
@@ -240,14 +239,11 @@ def _candidates(a: torch.Tensor, b: torch.Tensor, alignment: int) -> tuple[ctype
 
 
 def _run(plan: _Plan, algo: _Algo, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    device = a.device.index
-    stream = _raw_stream(device)
-    workspace = _workspace(device)
+    """out = a @ b with algo, on the current stream."""
     b_layout, a_layout, out_layout = plan.layouts
-    status = _library().cublasLtMatmul(
-        _handle(device), plan.desc, ctypes.byref(_ALPHA), b.data_ptr(), b_layout, a.data_ptr(), a_layout,
-        ctypes.byref(_BETA), out.data_ptr(), out_layout, out.data_ptr(), out_layout, ctypes.byref(algo),
-        workspace.data_ptr(), WORKSPACE_BYTES, stream,
+    status = _lib.cublasLtMatmul(
+        plan.handle, plan.desc, _ALPHA_REF, b.data_ptr(), b_layout, a.data_ptr(), a_layout, _BETA_REF, out.data_ptr(),
+        out_layout, out.data_ptr(), out_layout, algo, plan.workspace, WORKSPACE_BYTES, _raw_stream(a.device.index),
     )  # fmt: skip
     _check(status, "cublasLtMatmul")
 
@@ -271,7 +267,8 @@ def _time(fn) -> float:
 def _tune(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alignment: int) -> _Plan:
     """Time torch.mm and the heuristic's algorithms that give torch.mm's bits on a and b; the fastest wins."""
     desc, layouts, found = _candidates(a, b, alignment)
-    plan = _Plan(desc, layouts, None)
+    device = a.device.index
+    plan = _Plan(desc, layouts, None, _handle(device), _workspace(device).data_ptr())
     expected = torch.mm(a, b)
     best = base = _time(lambda: torch.mm(a, b, out=out))
     chosen = None
@@ -321,10 +318,7 @@ def _plan(a: torch.Tensor, b: torch.Tensor) -> _Plan | None:
     out = a.new_empty(a.shape[0], b.shape[1])
     if torch.cuda.is_current_stream_capturing():
         return None
-    plan = _tune(a, b, out, _alignment(a, b, out))
-    if plan.algo is not None:
-        plan.handle, plan.workspace = _handle(a.device.index), _workspace(a.device.index).data_ptr()
-    return plan
+    return _tune(a, b, out, _alignment(a, b, out))
 
 
 def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -346,13 +340,7 @@ def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if plan.algo is None:
         return torch.mm(a, b)
     out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
-    out_layout = plan.layouts[2]
-    status = _lib.cublasLtMatmul(
-        plan.handle, plan.desc, _ALPHA_REF, b.data_ptr(), plan.layouts[0], a.data_ptr(), plan.layouts[1], _BETA_REF,
-        out.data_ptr(), out_layout, out.data_ptr(), out_layout, plan.algo, plan.workspace, WORKSPACE_BYTES,
-        _raw_stream(a.device.index),
-    )  # fmt: skip
-    _check(status, "cublasLtMatmul")
+    _run(plan, plan.algo, a, b, out)
     return out
 
 
