@@ -164,7 +164,8 @@ def fused_swiglu_down_norm_available(
         and out & (out - 1) == 0
         and all(
             t.is_contiguous() and t.dtype == gate_up.dtype and t.shape == (*gate_up.shape[:-1], out)
-            for t in (x, x if then is None else then)
+            for t in (x, then)
+            if t is not None
         )
     )
 
