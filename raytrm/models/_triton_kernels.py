@@ -261,6 +261,51 @@ def swiglu_down_kernel(
     tl.store(out_ptr + rows[:, None] * N + columns[None, :], out.to(dtype), mask=mask)
 
 
+#: swiglu_down_kernel with NORM on GPUs that copy tiles with TMA: (rows, inner step) of a tile, warps, stages. Its
+#: weight comes in as TMA copies and its epilogue reads x and then and writes out as TMA copies, where the pointer
+#: loads' address arithmetic held the programs back. On an H200 at TRM-attention's Sudoku shape (2026-11-26,
+#: build/wtma/probe2.py: medians of do_bench over three inputs, three passes, the same bits): 350-363 us a call against
+#: 401-420 for swiglu_down_kernel with NORM; with the weight alone by TMA 370-394; with gate_up's loads masked (rows
+#: not a multiple of the tile's) 355-387; with gate_up by TMA too, 476 at 2 stages and at 3 stages not the same bits
+#: (Triton 3.6); x and then loaded before the last inner step, 370-384; 2 stages 514; inner steps of 32, 408 and more.
+SWIGLU_DOWN_NORM_TMA = (64, 64, 8, 3)
+
+
+@triton.jit
+def swiglu_down_norm_kernel(
+    gate_up_ptr, w, x, then, out, M, F, eps, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    THEN_ADD: tl.constexpr, EVEN: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """swiglu_down_kernel's NORM (and THEN_ADD) output, the same bits, with w, x, then and out as descriptors: w [N,
+    F] viewed as [N / BOX, BOX, F] (block [N / BOX, BOX, BLOCK_K]), the others [M, N] viewed as [M, N / BOX, BOX]
+    (block [BLOCK_M, N / BOX, BOX]), BOX at most 256 (a TMA copy's limit). A program takes BLOCK_M whole rows; EVEN
+    when M is a multiple of BLOCK_M (gate_up's loads unmasked)."""
+    dtype: tl.constexpr = out.dtype
+    row = tl.program_id(0) * BLOCK_M
+    rows = (row + tl.arange(0, BLOCK_M)).to(tl.int64)
+    gate_ptr = gate_up_ptr + rows[:, None] * (2 * F) + tl.arange(0, BLOCK_K)[None, :]
+    acc = tl.zeros((BLOCK_M, N), dtype=tl.float32)
+    for k in range(0, F, BLOCK_K):
+        if EVEN:
+            gate = tl.load(gate_ptr + k).to(tl.float32)
+            up = tl.load(gate_ptr + k + F).to(tl.float32)
+        else:
+            gate = tl.load(gate_ptr + k, mask=(rows < M)[:, None], other=0.0).to(tl.float32)
+            up = tl.load(gate_ptr + k + F, mask=(rows < M)[:, None], other=0.0).to(tl.float32)
+        h = _operand(_gated(gate, up, dtype, INTERPRETED).to(dtype), INTERPRETED)
+        w_t = tl.trans(w.load([0, 0, k]).reshape(N, BLOCK_K))
+        acc = tl.dot(h, _operand(w_t, INTERPRETED), acc)
+    # x is read after the loop and then after the norm, so that neither is held through the loop (with both read
+    # together the program spilled).
+    s = _rounded(x.load([row, 0, 0]).reshape(BLOCK_M, N).to(tl.float32) + _rounded(acc, dtype, INTERPRETED), dtype,
+                 INTERPRETED)  # fmt: skip
+    r = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / N + eps)
+    y = _rounded(s * r[:, None], dtype, INTERPRETED)
+    if THEN_ADD:
+        y = _rounded(y + then.load([row, 0, 0]).reshape(BLOCK_M, N).to(tl.float32), dtype, INTERPRETED)
+    out.store([row, 0, 0], y.to(dtype).reshape(out.block_shape))
+
+
 def _down_blocks(nargs: dict) -> None:
     """The autotuner's hook before a launch of swiglu_down_backward_kernel: its descriptors' blocks set to the
     config's tiles."""

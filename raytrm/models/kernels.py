@@ -274,6 +274,7 @@ def register() -> bool:
         SWIGLU_DOWN_BACKWARD,
         SWIGLU_DOWN_GROUP,
         SWIGLU_DOWN_NORM,
+        SWIGLU_DOWN_NORM_TMA,
         mix_positions_norm_kernel,
         rope_attention_backward_kernel,
         rope_attention_kernel,
@@ -281,6 +282,7 @@ def register() -> bool:
         rope_qkv_kernel,
         swiglu_down_backward_kernel,
         swiglu_down_kernel,
+        swiglu_down_norm_kernel,
         swiglu_gate_backward_kernel,
         swiglu_gate_kernel,
     )
@@ -361,9 +363,22 @@ def register() -> bool:
         eps: float,
         then: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """swiglu_down_kernel over gate_up: the down projection, or with x the norm of x plus it (plus then)."""
+        """swiglu_down_kernel over gate_up: the down projection, or with x the norm of x plus it (plus then), which
+        swiglu_down_norm_kernel computes to the same bits where tiles are copied with TMA."""
         rows, out, inner = down_shape(gate_up, w_down)
         y = gate_up.new_empty(*gate_up.shape[:-1], out)
+        if x is not None and _tma_copies(gate_up):
+            block_m, block_k, warps, stages = SWIGLU_DOWN_NORM_TMA
+            box = min(out, 256)  # a TMA copy's longest side
+            w_view = _aligned(w_down).view(out // box, box, inner)
+            rows_view = [t.view(rows, out // box, box) for t in (_aligned(x), _aligned(x if then is None else then), y)]
+            swiglu_down_norm_kernel[(triton.cdiv(rows, block_m),)](
+                gate_up, TensorDescriptor.from_tensor(w_view, [out // box, box, block_k]),
+                *(TensorDescriptor.from_tensor(t, [block_m, out // box, box]) for t in rows_view), rows, inner, eps,
+                N=out, BLOCK_M=block_m, BLOCK_K=block_k, THEN_ADD=then is not None, EVEN=rows % block_m == 0,
+                INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+            return y
         if x is None:
             block_m, block_n, block_k, warps, stages = SWIGLU_DOWN
             block_n = min(block_n, triton.next_power_of_2(out))

@@ -205,6 +205,10 @@ for shape, out, inner in (((37,), 64, 128), ((5,), 128, 192), ((2, 65), 64, 64))
         assert kernels.fused_swiglu_down_norm_available(x, gate_up, w.shape, then)
         assert not kernels.fused_swiglu_down_norm_available(x, gate_up, w.shape, then.float())
         assert torch.equal(kernels.swiglu_down_norm(gate_up, w, x, 1e-5, then), normed + then)
+        kernels._descriptors = False  # as on a GPU without TMA copies: the pointer-load kernel, to the same bits
+        assert torch.equal(kernels.swiglu_down_norm(gate_up, w, x, 1e-5), normed)
+        assert torch.equal(kernels.swiglu_down_norm(gate_up, w, x, 1e-5, then), normed + then)
+        kernels._descriptors = True
     expected_normed = add_rms_norm(x, expected.detach(), 1e-5)  # the eager formulas: the add rounded, the norm fp32
     assert counted_ours.get_total_flops() == counted_plain.get_total_flops() > 0
     pairs = ((y, expected), (y_no_grad, expected), (ours.grad, plain.grad), (w_ours.grad, w_plain.grad))
@@ -731,6 +735,11 @@ def test_on_cuda_the_swiglu_down_operator_equals_the_plain_formulas_eager_and_co
             off = (y.float() - expected.float()).abs()
             assert (off <= expected.float().abs() * 2**-7 + 1e-30).all() and (off > 0).float().mean() < 0.05, off.max()
             assert torch.equal(down_norm(gate_up, w, x, 1e-5, then), y + then)
+        # The kernel with TMA copies (this GPU's, where it has them) gives the pointer-load kernel's bits.
+        y = kernels.swiglu_down_norm(gate_up, w, x, 1e-5, then)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "_descriptors", False)
+            assert torch.equal(kernels.swiglu_down_norm(gate_up, w, x, 1e-5, then), y)
 
 
 @needs_cuda
