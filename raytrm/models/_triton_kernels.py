@@ -266,8 +266,9 @@ def swiglu_down_kernel(
 #: loads' address arithmetic held the programs back. On an H200 at TRM-attention's Sudoku shape (2026-11-26,
 #: build/wtma/probe2.py: medians of do_bench over three inputs, three passes, the same bits): 350-363 us a call against
 #: 401-420 for swiglu_down_kernel with NORM; with the weight alone by TMA 370-394; with gate_up's loads masked (rows
-#: not a multiple of the tile's) 355-387; with gate_up by TMA too, 476 at 2 stages and at 3 stages not the same bits
-#: (Triton 3.6); x and then loaded before the last inner step, 370-384; 2 stages 514; inner steps of 32, 408 and more.
+#: not a multiple of the tile's) 355-387; with gate_up by TMA too, 413-416 (gate and up as two copies a step,
+#: build/wtma/probe3.py); x and then loaded before the last inner step, 370-384; 2 stages 514; inner steps of 32, 408
+#: and more.
 SWIGLU_DOWN_NORM_TMA = (64, 64, 8, 3)
 
 
