@@ -59,6 +59,15 @@ def _gate_gradients(gate, up, g, dtype: tl.constexpr, INTERPRETED: tl.constexpr)
 
 
 @triton.jit
+def _add_rms_norm(x, f, length, eps, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """rms_norm(x + f) along the rows of fp32 tiles as the eager formulas compute it: the sum rounded to dtype, the
+    norm over `length` entries in fp32 (a row's entries past it are zeros), the result rounded to dtype."""
+    s = _rounded(x + f, dtype, INTERPRETED)
+    r = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / length + eps)
+    return _rounded(s * r[:, None], dtype, INTERPRETED)
+
+
+@triton.jit
 def _operand(v, INTERPRETED: tl.constexpr):
     """v as an operand of tl.dot."""
     if INTERPRETED:
@@ -120,9 +129,7 @@ def mix_positions_norm_kernel(
         h = _gated(gate, up, dtype, INTERPRETED).to(dtype)
         acc = tl.dot(_operand(h, INTERPRETED), _operand(w_down, INTERPRETED), acc)
     # The residual adds in the states' dtype; the norm over positions accumulates in fp32.
-    s = _rounded(x.to(tl.float32) + _rounded(acc, dtype, INTERPRETED), dtype, INTERPRETED)
-    r = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / L + eps)
-    y = _rounded(s * r[:, None], dtype, INTERPRETED).to(dtype)
+    y = _add_rms_norm(x.to(tl.float32), _rounded(acc, dtype, INTERPRETED), L, eps, dtype, INTERPRETED).to(dtype)
     tl.store(y_ptr + rows[None, :] * N + cols[:, None], y, mask=mask)
 
 
@@ -252,9 +259,7 @@ def swiglu_down_kernel(
     out = _rounded(acc, dtype, INTERPRETED)
     if NORM:
         x = tl.load(x_ptr + rows[:, None] * N + columns[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = _rounded(x + out, dtype, INTERPRETED)
-        r = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / N + eps)
-        out = _rounded(s * r[:, None], dtype, INTERPRETED)
+        out = _add_rms_norm(x, out, N, eps, dtype, INTERPRETED)
         if THEN_ADD:
             then = tl.load(then_ptr + rows[:, None] * N + columns[None, :], mask=mask, other=0.0).to(tl.float32)
             out = _rounded(out + then, dtype, INTERPRETED)
@@ -298,10 +303,8 @@ def swiglu_down_norm_kernel(
         acc = tl.dot(h, _operand(w_t, INTERPRETED), acc)
     # x is read after the loop and then after the norm, so that neither is held through the loop (with both read
     # together the program spilled).
-    s = _rounded(x.load([row, 0, 0]).reshape(BLOCK_M, N).to(tl.float32) + _rounded(acc, dtype, INTERPRETED), dtype,
-                 INTERPRETED)  # fmt: skip
-    r = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / N + eps)
-    y = _rounded(s * r[:, None], dtype, INTERPRETED)
+    residual = x.load([row, 0, 0]).reshape(BLOCK_M, N).to(tl.float32)
+    y = _add_rms_norm(residual, _rounded(acc, dtype, INTERPRETED), N, eps, dtype, INTERPRETED)
     if THEN_ADD:
         y = _rounded(y + then.load([row, 0, 0]).reshape(BLOCK_M, N).to(tl.float32), dtype, INTERPRETED)
     out.store([row, 0, 0], y.to(dtype).reshape(out.block_shape))

@@ -373,10 +373,10 @@ def register() -> bool:
             block_m, block_k, warps, stages = SWIGLU_DOWN_NORM_TMA
             box = min(out, 256)  # a TMA copy's longest side
             w_view = _aligned(w_down).view(out // box, box, inner)
-            rows_view = [t.view(rows, out // box, box) for t in (_aligned(x), _aligned(x if then is None else then), y)]
+            row_views = [t.view(rows, out // box, box) for t in (_aligned(x), _aligned(x if then is None else then), y)]
             swiglu_down_norm_kernel[(triton.cdiv(rows, block_m),)](
                 gate_up, TensorDescriptor.from_tensor(w_view, [out // box, box, block_k]),
-                *(TensorDescriptor.from_tensor(t, [block_m, out // box, box]) for t in rows_view), rows, inner, eps,
+                *(TensorDescriptor.from_tensor(t, [block_m, out // box, box]) for t in row_views), rows, inner, eps,
                 N=out, BLOCK_M=block_m, BLOCK_K=block_k, THEN_ADD=then is not None, EVEN=rows % block_m == 0,
                 INTERPRETED=_INTERPRETED, num_warps=warps, num_stages=stages,
             )  # fmt: skip
