@@ -500,6 +500,14 @@ def rope_qkv_backward_kernel(
 #: Hopper have no TMA, and Triton turns the copies back into pointer loads: compiled here for an A100 (sm_80, Triton
 #: 3.9), those kernels spill far more than the pointer-load ones did (6 KB a thread forward and 13 KB backward,
 #: against 0.1 and 3 KB), so such GPUs keep the plain formulas (kernels.TMA_CAPABILITY).
+#: The backward works key-major (its scores transposed, keys as rows), where it worked query-major as the forward
+#: does: the transposed probabilities and score gradients, the first operands of v's and k's gradients, are then
+#: computed where they are used, and only the score gradients go through shared memory transposed (for q's). On an
+#: H200 (2026-11-26, build/stbwd/probe.py, medians of do_bench over three inputs, two passes): 322.5-322.9 us against
+#: 354.3-355.6; with k's gradient stored before q's 350.6-350.8, with 1 stage 574-585, 3 over the shared memory. In
+#: the compiled step (build/stbwd/step_kernel.py, profiled steps in turn) 361-365 us a call against 393-396. Errors
+#: against fp64 as before to three digits (build/stbwd/accuracy.py); the products' sums run in another order, and
+#: about 1 in 10,000 of qkv's gradients is a bf16 step off the query-major kernel's.
 ATTENTION_FORWARD = ((1, 8, 3), (2, 4, 2))
 ATTENTION_BACKWARD = ((1, 8, 2),)
 
@@ -556,22 +564,22 @@ def _put_rotated_back(desc, batch, column, g1, g2, c, s, INTERPRETED: tl.constex
 
 @triton.jit
 def _exponent(scores, offset, scale):
-    """The raw scores q k^T in log2 units less offset (per row, already in log2 units): one fused multiply-add an
-    element. With the scale applied to the scores first and the offset subtracted after, the forward took 162.9-163.2
-    us against 155.3-155.5 and the backward 343.4-344.1 against 339.1-340.2, on an H200 at TRM-attention's Sudoku
-    shape (2026-11-26, build/probe_nov26.py: the kernels copied with the two ways switched, medians of do_bench over
-    three inputs, two passes each; the same error against an fp32 computation)."""
-    return scores * (scale * 1.4426950408889634) - offset[:, None]
+    """The raw scores in log2 units less offset (already in log2 units, broadcast over them: the rows' maxima or
+    log-sum-exps): one fused multiply-add an element. With the scale applied to the scores first and the offset
+    subtracted after, the forward took 162.9-163.2 us against 155.3-155.5 and the backward 343.4-344.1 against
+    339.1-340.2, on an H200 at TRM-attention's Sudoku shape (2026-11-26, build/probe_nov26.py: the kernels copied
+    with the two ways switched, medians of do_bench over three inputs, two passes each; the same error against an
+    fp32 computation)."""
+    return scores * (scale * 1.4426950408889634) - offset
 
 
 @triton.jit
 def _attention_head(
-    head, qk, v_desc, c, s, L, H, BLOCK_L: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
+    head, qk, v_desc, c, s, H, BLOCK_L: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """A head of qkv [batch, L, 3 * H * 2 * HALF] (its index batch * H + head), on chip, through descriptors of
     blocks [1, BLOCK_L, HALF] (qk) and [1, BLOCK_L, 2 * HALF] (v_desc): its batch row and first column, q's and k's
-    halves rotated by position with the tables' halves c and s (dot operands), v, and the raw scores q k^T (padded
-    keys at -inf). The callers scale them inside the exponent's multiply-add (_exponent)."""
+    halves rotated by position with the tables' halves c and s (dot operands), and v."""
     batch = head // H
     column = (head % H) * (2 * HALF)
     width = H * 2 * HALF
@@ -581,9 +589,7 @@ def _attention_head(
     k = width + column
     k1, k2 = _rotated(_tile(qk, batch, k, BLOCK_L, HALF), _tile(qk, batch, k + HALF, BLOCK_L, HALF), c, s, INTERPRETED)
     v = _tile(v_desc, batch, 2 * width + column, BLOCK_L, 2 * HALF)
-    scores = tl.dot(q2, tl.trans(k2), tl.dot(q1, tl.trans(k1)))
-    scores = tl.where((tl.arange(0, BLOCK_L) < L)[None, :], scores, float("-inf"))
-    return batch, column, q1, q2, k1, k2, v, scores
+    return batch, column, q1, q2, k1, k2, v
 
 
 @triton.autotune(configs=_launches(ATTENTION_FORWARD), key=["heads", "L", "H"])
@@ -602,10 +608,12 @@ def rope_attention_kernel(
     c, s = _tables(cos_ptr, sin_ptr, L, table_stride, BLOCK_L, HALF)
     positions = tl.arange(0, BLOCK_L)
     for head in tl.range(tl.program_id(0), heads, tl.num_programs(0), num_stages=STAGES):
-        batch, column, _, _, _, _, v, scores = _attention_head(head, qk, v_desc, c, s, L, H, BLOCK_L, HALF, INTERPRETED)
+        batch, column, q1, q2, k1, k2, v = _attention_head(head, qk, v_desc, c, s, H, BLOCK_L, HALF, INTERPRETED)
         dtype = v.dtype
+        scores = tl.dot(q2, tl.trans(k2), tl.dot(q1, tl.trans(k1)))
+        scores = tl.where((positions < L)[None, :], scores, float("-inf"))  # padded keys
         top = tl.max(scores, 1) * (scale * 1.4426950408889634)  # the scale is positive: the same maximum
-        p = tl.exp2(_exponent(scores, top, scale))
+        p = tl.exp2(_exponent(scores, top[:, None], scale))
         total = tl.sum(p, 1)
         p = _operand(_rounded(p, dtype, INTERPRETED).to(dtype), INTERPRETED)
         out = tl.dot(p, _operand(v, INTERPRETED)) / total[:, None]
@@ -629,24 +637,27 @@ def rope_attention_backward_kernel(
     positions = tl.arange(0, BLOCK_L)
     width = H * 2 * HALF
     for head in tl.range(tl.program_id(0), heads, tl.num_programs(0), num_stages=STAGES):
-        batch, column, q1, q2, k1, k2, v, scores = _attention_head(
-            head, qk, v_desc, c, s, L, H, BLOCK_L, HALF, INTERPRETED
-        )
+        batch, column, q1, q2, k1, k2, v = _attention_head(head, qk, v_desc, c, s, H, BLOCK_L, HALF, INTERPRETED)
         dtype = v.dtype
+        # Key-major: the scores transposed, [keys, queries] (padded keys at -inf), so that the transposed
+        # probabilities and score gradients, the first operands of v's and k's gradients, are computed in place
+        # and only the score gradients go through a transposition, for q's.
+        scores_t = tl.dot(k2, tl.trans(q2), tl.dot(k1, tl.trans(q1)))
+        scores_t = tl.where((positions < L)[:, None], scores_t, float("-inf"))
         out = _tile(out_desc, batch, column, BLOCK_L, 2 * HALF)
         grad = _tile(grad_desc, batch, column, BLOCK_L, 2 * HALF)
-        # d softmax: p * (dp - delta), delta the rows' grad . out.
+        # d softmax: p * (dp - delta), delta the queries' grad . out.
         delta = tl.sum(grad.to(tl.float32) * out.to(tl.float32), 1)
-        p = tl.exp2(_exponent(scores, tl.load(lse_ptr + head * BLOCK_L + positions), scale))
+        lse = tl.load(lse_ptr + head * BLOCK_L + positions)
+        p_t = tl.exp2(_exponent(scores_t, lse[None, :], scale))
         grad = _operand(grad, INTERPRETED)
         # Each gradient is stored as soon as it is computed (v's, q's, then k's), so fewer values are held at once.
-        p_t = tl.trans(_operand(_rounded(p, dtype, INTERPRETED).to(dtype), INTERPRETED))
-        grad_v = _rounded(tl.dot(p_t, grad), dtype, INTERPRETED).to(dtype)
-        _put(grad_v_desc, batch, 2 * width + column, grad_v)
-        dp = tl.dot(grad, tl.trans(_operand(v, INTERPRETED)))
-        ds = _operand(_rounded(p * (dp - delta[:, None]), dtype, INTERPRETED).to(dtype), INTERPRETED)
+        grad_v = tl.dot(_operand(_rounded(p_t, dtype, INTERPRETED).to(dtype), INTERPRETED), grad)
+        _put(grad_v_desc, batch, 2 * width + column, _rounded(grad_v, dtype, INTERPRETED).to(dtype))
+        dp_t = tl.dot(_operand(v, INTERPRETED), tl.trans(grad))
+        ds_t = _operand(_rounded(p_t * (dp_t - delta[None, :]), dtype, INTERPRETED).to(dtype), INTERPRETED)
+        ds = tl.trans(ds_t)
         _put_rotated_back(grad_qk, batch, column, tl.dot(ds, k1) * scale, tl.dot(ds, k2) * scale, c, s, INTERPRETED)
-        ds_t = tl.trans(ds)
         _put_rotated_back(
             grad_qk, batch, width + column, tl.dot(ds_t, q1) * scale, tl.dot(ds_t, q2) * scale, c, s, INTERPRETED
         )
