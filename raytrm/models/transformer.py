@@ -87,7 +87,7 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(self.embed_scale * cast(self.embed_tokens(inputs), self.dtype))
+        x = self.dropout(self.embed_scale * self.embed_tokens(inputs, self.dtype))
         rope = self.rotary()
         for block in self.blocks:
             if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():

@@ -221,7 +221,7 @@ class TRM(nn.Module):
     def _embed(self, inputs: torch.Tensor, puzzle_identifiers: torch.Tensor) -> torch.Tensor:
         """Input embeddings in the step's layout: [L, B, D] positions-first, else [B, L, D]."""
         seq = 0 if self.positions_first else 1  # the positions' dimension
-        x = cast(self.embed_tokens(inputs.t() if self.positions_first else inputs), self.dtype)
+        x = self.embed_tokens(inputs.t() if self.positions_first else inputs, self.dtype)
         if self.puzzle_emb is not None:
             puzzle = cast(self.puzzle_emb(puzzle_identifiers), self.dtype).unsqueeze(seq)
             padding_shape = list(x.shape)
@@ -314,7 +314,9 @@ class TRM(nn.Module):
         if self.positions_first:
             z_H = z_H.transpose(0, 1).contiguous()
             z_L = z_L.transpose(0, 1).contiguous()
-        logits = self.lm_head(z_H[:, self.puzzle_emb_len :])
+        # Over every position and then sliced, as the reference does: the states go in as they are, where the
+        # puzzle positions left out would cost a copy of the rest, and their gradient a zero-filled copy back.
+        logits = self.lm_head(z_H)[:, self.puzzle_emb_len :]
         q_halt, q_continue = cast(self.q_head(z_H[:, 0]), torch.float32).unbind(-1)
 
         with torch.no_grad():

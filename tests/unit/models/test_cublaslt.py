@@ -147,14 +147,40 @@ def test_on_cuda_linear_layers_run_the_operator_with_f_linears_bits_forward_and_
 
 
 @needs_cuda
-def test_on_cuda_linear_layers_with_widths_off_multiples_of_8_keep_torchs_products():
+def test_on_cuda_linear_layers_pad_outputs_off_multiples_of_8_and_keep_torchs_products_for_such_inputs():
     x = torch.randn(4, 97, device="cuda").bfloat16()
     assert cublaslt.serves(x[:, :96], torch.empty(512, 96, device="cuda").bfloat16())
     assert not cublaslt.serves(x, torch.empty(512, 97, device="cuda").bfloat16())
     assert not cublaslt.serves(x[:, :96], torch.empty(11, 96, device="cuda").bfloat16())
-    layer = Linear(512, 11).cuda()
+    torch.manual_seed(0)
+    x = torch.randn(3, 50, 512, device="cuda").bfloat16()
+    # 11 outputs (TRM's vocabulary) come from a weight padded with zero rows to 16, which the operator serves; 2
+    # with a bias (TRM's halting head) from torch's product with both padded to 8. Outputs and gradients are the
+    # plain layer's, within a rounding.
+    for outputs, bias, operator in ((11, False, True), (2, True, False)):
+        layer = Linear(512, outputs, bias=bias).cuda()
+        with torch.no_grad():
+            layer.weight.normal_()
+            if bias:
+                layer.bias.normal_()
+        grad = torch.randn(3, 50, outputs, device="cuda").bfloat16()
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        with OpsSeen() as seen:
+            y = layer(xs[0])
+        assert ("raytrm::mm" in seen.names) == operator
+        assert y.shape == (3, 50, outputs)
+        y.backward(grad)
+        padded = [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad()
+        plain = F.linear(xs[1], layer.weight.bfloat16(), None if layer.bias is None else layer.bias.bfloat16())
+        plain.backward(grad)
+        torch.testing.assert_close(y, plain)
+        torch.testing.assert_close(xs[0].grad, xs[1].grad)
+        for a, b in zip(padded, [p.grad for p in layer.parameters()], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    # An input width off a multiple of 8 stays with torch's product.
     with OpsSeen() as seen:
-        layer(torch.randn(3, 512, device="cuda").bfloat16())
+        Linear(97, 16).cuda()(torch.randn(3, 97, device="cuda").bfloat16())
     assert "raytrm::mm" not in seen.names
 
 

@@ -57,7 +57,7 @@ def test_mean_pooling_skips_pads():
     with torch.no_grad():
         model(x)
         # The mean over the four real positions, recomputed by hand from the blocks' output.
-        h = model.embed_scale * model.embed_tokens(x)
+        h = model.embed_scale * model.embed_tokens(x, model.dtype)
         h = model.blocks[0](h, model.rotary())
         h = torch.nn.functional.rms_norm(h, (32,), eps=model.config.rms_norm_eps)
     torch.testing.assert_close(hidden["pooled"], h[:, :4].mean(1), rtol=1e-5, atol=1e-5)
