@@ -151,7 +151,11 @@ class TRMTask:
         carry, outputs = (model or self.model)(self.carry[part], micro, step[part])
         loss, metrics = act_loss(outputs, carry, global_batch_size=self._global_batch, compute_dtype=self.loss_dtype)
         loss.backward()
-        self.carry.assign_(part, carry)
+        slots = len(self.carry.halted)
+        if part.indices(slots) == (0, slots, 1):
+            self.carry = carry  # the micro-batch is every slot: its carry is the new one, without copying it in
+        else:
+            self.carry.assign_(part, carry)
         return loss.detach(), metrics
 
     def rates(self, totals: dict[str, float], global_batch: int) -> dict[str, float | None]:
