@@ -10,12 +10,14 @@ import torch.nn.functional as F
 
 from raytrm.models.layers import (
     Attention,
+    Embedding,
     Linear,
     RotaryEmbedding,
     SparseEmbedding,
     SwiGLU,
     _AddRMSNorm,
     _RMSNorm,
+    _SmallTableLookup,
     add_rms_norm,
     apply_rotary,
     mix_columns_in_blocks,
@@ -109,6 +111,34 @@ def test_attention_matches_explicit_softmax(causal, use_rope):
     expected = _explicit_attention(x, attn, rope, causal)
     torch.testing.assert_close(attn(x, rope), expected, rtol=1e-5, atol=1e-5)
     assert attn.qkv_proj.weight.shape == (96, 32) and attn.qkv_proj.bias is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_small_tables_lookup_takes_its_gradient_as_a_product_equal_to_embeddings(dtype):
+    """_SmallTableLookup (the table's gradient as onehot(ids)^T @ grad, what Embedding runs on CUDA) gives
+    F.embedding's rows, and the table's gradient as F.embedding's in fp64 rounded once to the dtype (summed in fp32,
+    within fp32's rounding of it); rows no id looks up get exact zeros."""
+    torch.manual_seed(0)
+    table = torch.randn(11, 64).to(dtype).requires_grad_()
+    ids = torch.randint(0, 10, (6, 81))  # row 10 never looked up
+    grad = torch.randn(6, 81, 64).to(dtype)
+    rows = _SmallTableLookup.apply(ids, table)
+    assert torch.equal(rows, F.embedding(ids, table))
+    rows.backward(grad)
+    exact = table.detach().double().requires_grad_()
+    F.embedding(ids, exact).backward(grad.double())
+    assert table.grad.dtype == dtype and not table.grad[10].any()
+    tolerance = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2**-8, "atol": 1e-3}
+    torch.testing.assert_close(table.grad.double(), exact.grad, **tolerance)
+
+
+def test_embedding_looks_up_the_table_cast_to_the_forward_dtype():
+    emb = Embedding(11, 8, init_std=1.0)
+    ids = torch.tensor([[0, 3, 10]])
+    rows = emb(ids, torch.bfloat16)
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows, emb.weight.bfloat16()[ids])
+    rows.float().sum().backward()
+    assert emb.weight.grad.dtype == torch.float32
 
 
 def test_sparse_embedding_records_rows_only_in_training():
