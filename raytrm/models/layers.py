@@ -206,8 +206,9 @@ class Linear(nn.Module):
         padding = -out_features % 8
         if padding and x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16):
             # Outputs of a width that is no multiple of 8 (TRM's heads: the vocabulary's 11, halting's 2) come from
-            # zero rows padded to one: cuBLAS's kernels for unaligned rows took 60 to 90 us a call at Sudoku's
-            # batch on an H200, where aligned ones take about 10.
+            # zero rows padded to one: cuBLAS's kernels for unaligned widths took 60 to 83 us a call at Sudoku's
+            # batch on an H200; aligned, the vocabulary head's forward over every position takes 28, its gradients'
+            # products under 11 each.
             weight = F.pad(weight, (0, 0, 0, padding))
             bias = None if bias is None else F.pad(bias, (0, padding))
             return self._product(x, weight, bias)[..., :out_features]
@@ -243,8 +244,8 @@ SMALL_TABLE = 512
 
 class _SmallTableLookup(torch.autograd.Function):
     """F.embedding(ids, table), the table's gradient as the product onehot(ids)^T @ grad: for a table of few rows
-    PyTorch's embedding backward sorts the ids and sums each row's segment, 202 us at TRM's Sudoku batch on an H200
-    (62,208 lookups of 11 rows), where the product takes about 20. Summed in fp32 inside the product and rounded
+    PyTorch's embedding backward sorts the ids and sums each row's segment, 199-202 us at TRM's Sudoku batch on an
+    H200 (62,208 lookups of 11 rows), where the product takes 24. Summed in fp32 inside the product and rounded
     once to the table's dtype, as that backward rounds, in another order."""
 
     @staticmethod

@@ -218,7 +218,8 @@ class TRM(nn.Module):
         """One round, and on CUDA also the step's start (the carry's reset, the embeddings) and finish (the heads),
         whose element-wise passes over [B, L, D] inductor fuses: eager, on an H200 at Sudoku's batch, they took
         0.6 ms of a step (the reset's two broadcasting torch.where 255 us, the embeddings' scale, concatenation and
-        zero fill, the heads' gradient summed into a zero-filled tensor). CPU steps keep them eager, as measured."""
+        zero fill, the heads' gradient summed into a zero-filled tensor). CPU steps keep them eager, as their figures
+        in the README were measured."""
         return ("_round", *self.EDGES) if self.z_H_init.device.type == "cuda" else ("_round",)
 
     def num_parameters(self) -> int:
