@@ -160,6 +160,13 @@ def test_puzzle_table_is_a_zero_buffer_outside_the_parameters():
     assert isinstance(model.z_H_init, torch.Tensor) and "z_H_init" not in dict(model.named_parameters())
 
 
+def test_a_cpu_step_compiles_its_round_alone_and_a_cuda_step_its_edges_too():
+    model = small_model("attention", "rope")
+    assert model.compile_regions == ("_round",)
+    if torch.cuda.is_available():
+        assert model.cuda().compile_regions == ("_round", "_start", "_finish")
+
+
 @pytest.mark.parametrize(("variant", "pos"), VARIANTS)
 def test_two_steps_match_the_reference_equations(variant, pos):
     model = small_model(variant, pos).eval()  # eval: no slot halts before halt_max_steps, so states carry over
