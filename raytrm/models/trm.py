@@ -166,8 +166,7 @@ class TRM(nn.Module):
 
     z_H_init: torch.Tensor
     z_L_init: torch.Tensor
-    #: The regions raytrm.train.compile compiles: one round, reused by every round of every step, and on CUDA the
-    #: step's start and finish (see compile_regions).
+    #: The step's edges, which raytrm.train.compile compiles on CUDA beside the round (see compile_regions).
     EDGES = ("_start", "_finish")
 
     def __init__(
