@@ -191,14 +191,26 @@ def _handle(device: int) -> ctypes.c_void_p:
 
 
 def _workspace(device: int) -> torch.Tensor:
-    """The device's workspace, kept for the process. It is allocated on a stream of its own, so never from a CUDA
-    graph's private pool (torch.compile's CUDA graphs allocate the current stream's memory there while they warm
-    up, and refuse tensors in it that outlive a graph). Products run on one stream at a time in raytrm, so one
-    workspace a device serves them all."""
+    """The device's workspace, kept for the process (`prepare` makes it before any CUDA graph). Products run on one
+    stream at a time in raytrm, so one workspace a device serves them all."""
     if device not in _workspaces:
         with torch.cuda.stream(torch.cuda.Stream(device)):
             _workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
     return _workspaces[device]
+
+
+def prepare(device: torch.device) -> None:
+    """Make the device's handle and workspace now, not on its first product.
+
+    Under torch.compile's CUDA graphs that first product runs in a graph's warm-up, whose allocations come from the
+    graphs' private pool even on a stream of their own (torch 2.11, H200): the workspace made there outlived the
+    graph untracked, and torch refused the graphs ("Detected 1 tensor(s) in the cudagraph pool not tracked as
+    outputs"): the round fell back to eager, and the same error in a backward's warm-up ended the step.
+    raytrm.train.compile calls this before it compiles a region with graphs."""
+    if device.type == "cuda" and register():
+        index = torch.cuda.current_device() if device.index is None else device.index
+        _handle(index)
+        _workspace(index)
 
 
 def _layout(dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:

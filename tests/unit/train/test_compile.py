@@ -13,9 +13,13 @@ from raytrm.train.compile import CompilePlan, compile_regions, plan_compile
 from raytrm.train.trainer import Trainer
 
 
-def test_cuda_compiles_with_inductor_and_cuda_graphs_only_when_asked():
-    assert plan_compile("auto", "cuda", "2.13.0") == CompilePlan("inductor", None, "cuda: inductor")
-    assert plan_compile("cudagraphs", "cuda", "2.13.0").mode == "reduce-overhead"
+def test_cuda_compiles_with_inductor_and_cuda_graphs_over_named_regions_unless_asked_for_none_or_all():
+    auto = plan_compile("auto", "cuda", "2.13.0")
+    assert (auto.backend, auto.mode, auto.named_graphs_only) == ("inductor", "reduce-overhead", True)
+    assert "CUDA graphs over the regions the model repeats" in auto.reason
+    assert plan_compile("on", "cuda", "2.13.0") == CompilePlan("inductor", None, "cuda: inductor")
+    graphs = plan_compile("cudagraphs", "cuda", "2.13.0")
+    assert graphs.mode == "reduce-overhead" and not graphs.named_graphs_only
     assert not plan_compile("off", "cuda", "2.13.0").enabled
 
 
@@ -66,6 +70,52 @@ class Doubler(torch.nn.Module):
 
     def twice(self, x: torch.Tensor) -> torch.Tensor:
         return 2 * x
+
+
+class Repeater(Doubler):
+    """A model whose repeated region (twice) is named for CUDA graphs and whose once-a-step one (thrice) is not."""
+
+    compile_regions = ("twice", "thrice")
+    graph_regions = ("twice",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1))
+
+    def thrice(self, x: torch.Tensor) -> torch.Tensor:
+        return 3 * x
+
+
+@pytest.mark.parametrize(
+    ("model", "asked", "graphed"),
+    [
+        (Repeater, "auto", ["twice"]),
+        (Repeater, "cudagraphs", ["twice"]),
+        (Repeater, "on", []),
+        (Doubler, "auto", []),  # names no region: auto leaves it without graphs
+        (Doubler, "cudagraphs", ["twice"]),  # ... and cudagraphs records all of its regions
+    ],
+)
+def test_cuda_graphs_record_the_regions_a_model_names_and_others_compile_without(monkeypatch, model, asked, graphed):
+    from raytrm.models import cublaslt
+
+    prepared, seen = [], {}
+    monkeypatch.setattr(cublaslt, "prepare", prepared.append)
+
+    def compiler(fn, **kwargs):
+        seen[fn.__name__] = kwargs
+        return fn
+
+    model = model()
+    forward = model.forward
+    compile_regions(model, plan_compile(asked, "cuda", "2.13.0"), compiler=compiler)
+    assert {name for name, kwargs in seen.items() if kwargs.get("mode") == "reduce-overhead"} == set(graphed)
+    assert all(kwargs["backend"] == "inductor" for kwargs in seen.values())
+    for name in model.compile_regions:
+        assert getattr(model, name).clone_outputs == (name in graphed)  # a replay's outputs are copied out
+    # Graphs mark each step's start, and cuBLASLt's workspace is made before any graph's warm-up.
+    assert (model.forward != forward) == bool(graphed)
+    assert prepared == ([torch.device("cpu")] if graphed and list(model.parameters()) else [])
 
 
 def test_a_region_that_fails_to_compile_runs_eagerly_with_one_warning(caplog):
@@ -139,12 +189,19 @@ def test_a_compiled_round_trains_to_the_eager_numbers(tiny, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the lent GPU machine)")
-@pytest.mark.parametrize("mode", ["on", "cudagraphs"])
+@pytest.mark.parametrize("mode", ["on", "cudagraphs", "auto"])
 @pytest.mark.parametrize("variant", ["mlp_t", "attention"])
-def test_a_compiled_step_equals_the_eager_one_on_cuda_within_bf16_noise(tiny, mode, variant):
+def test_a_compiled_step_equals_the_eager_one_on_cuda_within_bf16_noise(tiny, monkeypatch, mode, variant):
+    from raytrm.models import cublaslt
+
     losses = {}
     for compile_mode in ("off", mode):
         torch._dynamo.reset()
+        if compile_mode != "off":
+            # As in a fresh process: cuBLASLt has no workspace yet, so the first product would make one inside a
+            # CUDA graph's warm-up, were it not made before (cublaslt.prepare).
+            monkeypatch.setattr(cublaslt, "_workspaces", {})
+            monkeypatch.setattr(cublaslt, "_plans", {})
         model = {"variant": variant, "hidden_size": 128, "pos_encodings": "rope" if variant == "attention" else "none"}
         trainer = Trainer(tiny(model=model, training={"device": "cuda", "compile": compile_mode}))
         try:
@@ -152,10 +209,12 @@ def test_a_compiled_step_equals_the_eager_one_on_cuda_within_bf16_noise(tiny, mo
             counters.clear()
             losses[compile_mode] = [trainer.train_step().loss for _ in range(4)]
             if compile_mode != "off":
-                # A round, and on CUDA the step's start and finish, each one graph.
+                # A round, and on CUDA the step's start and finish, each one graph; CUDA graphs record the round.
                 assert trainer.compiled == ["_round", "_start", "_finish"]
                 assert all(getattr(trainer.model, name).failed is None for name in trainer.compiled)
                 assert not counters["graph_break"], dict(counters["graph_break"])
+                graphed = [name for name in trainer.compiled if getattr(trainer.model, name).clone_outputs]
+                assert graphed == ([] if compile_mode == "on" else ["_round"])
         finally:
             trainer.close()
     # bf16 rounds differently in fused kernels; the four steps' losses agree to bf16's ~3 significant digits.
