@@ -149,6 +149,9 @@ def compile_regions(
 
         for device in {p.device for p in model.parameters()}:
             cublaslt.prepare(device)  # its workspace, before a graph's warm-up would allocate it in the graphs' pool
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_hook(_own_memory)
     for name in names:
         eager = getattr(model, name)
         graphs = name in graphed
@@ -169,6 +172,16 @@ def graph_regions(model: Any, names: list[str], plan: CompilePlan) -> list[str]:
     if named is None:
         return [] if plan.named_graphs_only else names
     return [name for name in names if name in named]
+
+
+def _own_memory(grad: Any) -> Any:
+    """A parameter's gradient copied out of CUDA graphs' memory before it is accumulated.
+
+    A graphed region's backward returns each weight's gradient in the graphs' memory, and the gradient accumulator
+    keeps that very tensor as the weight's .grad; the next micro-batch's replay then overwrites it before its own
+    gradient is added (torch raises: "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent
+    run"). The copies are of the weights' size (TRM's 27 MB in fp32 at hidden 512), once a backward."""
+    return grad.clone()
 
 
 def _new_graph_step(forward: Callable[..., Any]) -> Callable[..., Any]:

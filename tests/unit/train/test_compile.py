@@ -116,6 +116,24 @@ def test_cuda_graphs_record_the_regions_a_model_names_and_others_compile_without
     # Graphs mark each step's start, and cuBLASLt's workspace is made before any graph's warm-up.
     assert (model.forward != forward) == bool(graphed)
     assert prepared == ([torch.device("cpu")] if graphed and list(model.parameters()) else [])
+    for weight in model.parameters():
+        # A gradient as a graphed backward returns it: under graphs the weight keeps a copy, not that memory.
+        returned = []
+
+        class Backward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, w):
+                return w * 1
+
+            @staticmethod
+            def backward(ctx, grad):
+                out = grad * 3
+                returned.append(out.data_ptr())
+                return out
+
+        Backward.apply(weight).sum().backward()
+        assert weight.grad.tolist() == [3.0]
+        assert (weight.grad.data_ptr() != returned[0]) == bool(graphed)
 
 
 def test_a_region_that_fails_to_compile_runs_eagerly_with_one_warning(caplog):
@@ -203,9 +221,11 @@ def test_a_compiled_step_equals_the_eager_one_on_cuda_within_bf16_noise(tiny, mo
             monkeypatch.setattr(cublaslt, "_workspaces", {})
             monkeypatch.setattr(cublaslt, "_plans", {})
         model = {"variant": variant, "hidden_size": 128, "pos_encodings": "rope" if variant == "attention" else "none"}
-        trainer = Trainer(tiny(model=model, training={"device": "cuda", "compile": compile_mode}))
+        # Two micro-batches a step: the second's replays must leave the first's accumulated gradients alone.
+        training = {"device": "cuda", "compile": compile_mode, "grad_accum_steps": 2}
+        trainer = Trainer(tiny(model=model, training=training))
         try:
-            assert trainer.dtype == torch.bfloat16
+            assert trainer.dtype == torch.bfloat16 and len(trainer.slices()) == 2
             counters.clear()
             losses[compile_mode] = [trainer.train_step().loss for _ in range(4)]
             if compile_mode != "off":
