@@ -204,7 +204,7 @@ class TrainConfig:
         "auto",
         "torch.compile of the model's repeated region: auto (cuda, with CUDA graphs over a region the model repeats "
         "within a step; mps where torch can; eager on a cpu), on (without CUDA graphs), off, or cudagraphs (on cuda: "
-        "CUDA graphs over every compiled region of a model that names none)",
+        "CUDA graphs over the model's repeated regions, or every compiled region of a model that names none)",
         choices=("auto", "on", "off", "cudagraphs"),
     )
     steps: int | None = spec(None, "optimizer steps to run; None = until the time budget", ge=1)
