@@ -192,10 +192,10 @@ def _handle(device: int) -> ctypes.c_void_p:
 
 def _workspace(device: int) -> torch.Tensor:
     """The device's workspace, kept for the process (`prepare` makes it before any CUDA graph). Products run on one
-    stream at a time in raytrm, so one workspace a device serves them all."""
+    stream at a time in raytrm, so one workspace a device serves them all; it is never freed, so the stream it is
+    made on does not matter."""
     if device not in _workspaces:
-        with torch.cuda.stream(torch.cuda.Stream(device)):
-            _workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
+        _workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
     return _workspaces[device]
 
 
