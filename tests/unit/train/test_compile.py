@@ -118,7 +118,7 @@ def test_cuda_graphs_record_the_regions_a_model_names_and_others_compile_without
     assert prepared == ([torch.device("cpu")] if graphed and list(model.parameters()) else [])
     for weight in model.parameters():
         # A gradient as a graphed backward returns it: under graphs the weight keeps a copy, not that memory.
-        returned = []
+        returned: list[int] = []
 
         class Backward(torch.autograd.Function):
             @staticmethod
@@ -126,7 +126,7 @@ def test_cuda_graphs_record_the_regions_a_model_names_and_others_compile_without
                 return w * 1
 
             @staticmethod
-            def backward(ctx, grad):
+            def backward(ctx, grad, returned=returned):
                 out = grad * 3
                 returned.append(out.data_ptr())
                 return out
