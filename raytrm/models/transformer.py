@@ -82,6 +82,10 @@ class Transformer(nn.Module):
 
     #: The region raytrm.train.compile compiles: the whole forward (its blocks differ only in their weights).
     compile_regions = ("forward",)
+    #: ... and records with CUDA graphs on CUDA (training.compile auto): at small batches the compiled step is the
+    #: host's launches. An H200, hidden 512, 4 layers, 1,024 positions (README, Performance): batch 8, 6.6 ms a
+    #: step with graphs against 17.0 without; batch 64, 16.8 against 16.9.
+    graph_regions = ("forward",)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -136,6 +136,29 @@ def test_cuda_graphs_record_the_regions_a_model_names_and_others_compile_without
         assert (weight.grad.data_ptr() != returned[0]) == bool(graphed)
 
 
+def test_on_cuda_auto_records_the_transformers_whole_forward_with_cuda_graphs(monkeypatch):
+    from raytrm import config as cfg
+    from raytrm.models import cublaslt
+    from raytrm.models.transformer import Transformer
+
+    monkeypatch.setattr(cublaslt, "prepare", lambda device: None)
+    seen = {}
+
+    def compiler(fn, **kwargs):
+        seen[fn.__name__] = kwargs
+        return fn
+
+    config = {"name": "transformer", "hidden_size": 32, "num_heads": 2, "layers": 1, "seq_len": 8}
+    model = Transformer(cfg.from_dict(cfg.ModelConfig, config, prefix="model"))
+    inputs = torch.randint(0, 256, (2, 8))
+    eager = model(inputs)
+    assert compile_regions(model, plan_compile("auto", "cuda", "2.13.0"), compiler=compiler) == ["forward"]
+    assert seen == {"forward": {"backend": "inductor", "mode": "reduce-overhead"}}
+    region = model.forward.__wrapped__  # the step's start marked for CUDA graphs, then the compiled forward
+    assert region.clone_outputs and region.failed is None
+    assert torch.equal(model(inputs), eager)
+
+
 def test_a_region_that_fails_to_compile_runs_eagerly_with_one_warning(caplog):
     calls = []
 
