@@ -202,9 +202,10 @@ class TrainConfig:
     device: str = spec("auto", "compute device; auto picks cuda, then mps, then cpu", choices=DEVICES)
     compile: str = spec(
         "auto",
-        "torch.compile of the model's repeated region: auto (cuda, with CUDA graphs over a region the model repeats "
-        "within a step; mps where torch can; eager on a cpu), on (without CUDA graphs), off, or cudagraphs (on cuda: "
-        "CUDA graphs over the model's repeated regions, or every compiled region of a model that names none)",
+        "torch.compile of the model's repeated region: auto (cuda, with CUDA graphs over the regions the model names "
+        "for them: TRM's round, the transformer's forward; mps where torch can; eager on a cpu), on (without CUDA "
+        "graphs), off, or cudagraphs (on cuda: CUDA graphs over the model's named regions, or every compiled region "
+        "of a model that names none)",
         choices=("auto", "on", "off", "cudagraphs"),
     )
     steps: int | None = spec(None, "optimizer steps to run; None = until the time budget", ge=1)

@@ -75,7 +75,7 @@ def plan_compile(
         if requested == "cudagraphs":
             return CompilePlan("inductor", "reduce-overhead", "cuda: inductor with CUDA graphs")
         if requested == "auto":
-            why = "cuda: inductor, with CUDA graphs over the regions the model repeats within a step"
+            why = "cuda: inductor, with CUDA graphs over the regions the model names for them"
             return CompilePlan("inductor", "reduce-overhead", why, named_graphs_only=True)
         return CompilePlan("inductor", None, "cuda: inductor")
     if device_type == "mps":

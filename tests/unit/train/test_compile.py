@@ -16,7 +16,7 @@ from raytrm.train.trainer import Trainer
 def test_cuda_compiles_with_inductor_and_cuda_graphs_over_named_regions_unless_asked_for_none_or_all():
     auto = plan_compile("auto", "cuda", "2.13.0")
     assert (auto.backend, auto.mode, auto.named_graphs_only) == ("inductor", "reduce-overhead", True)
-    assert "CUDA graphs over the regions the model repeats" in auto.reason
+    assert "CUDA graphs over the regions the model names for them" in auto.reason
     assert plan_compile("on", "cuda", "2.13.0") == CompilePlan("inductor", None, "cuda: inductor")
     graphs = plan_compile("cudagraphs", "cuda", "2.13.0")
     assert graphs.mode == "reduce-overhead" and not graphs.named_graphs_only
