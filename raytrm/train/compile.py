@@ -3,7 +3,7 @@
 TRM applies one small network H_cycles x (L_cycles + 1) times per supervision step, so a step is hundreds of small
 kernel launches of the same few shapes. Compiling the round (L_cycles latent updates and one answer update) once
 fuses its norms, SwiGLU and residual adds and is reused by every round of every step: the no-grad rounds and the
-back-propagated last one are two graphs of the same region. The transformer compiles its block the same way.
+back-propagated last one are two graphs of the same region. The transformer compiles its whole forward.
 
 The plan (`plan_compile`) depends on the device and the torch build, and is logged once:
 - cuda: inductor, with CUDA graphs (mode reduce-overhead) over the regions a model names in `graph_regions` (TRM:
@@ -195,5 +195,5 @@ def _new_graph_step(forward: Callable[..., Any]) -> Callable[..., Any]:
         torch.compiler.cudagraph_mark_step_begin()
         return forward(*args, **kwargs)
 
-    step.__wrapped__ = forward  # type: ignore[attr-defined]  (a compiled forward stays reachable: its failure)
+    step.__wrapped__ = forward  # type: ignore[attr-defined]  # the compiled forward stays reachable (its `failed`)
     return step
