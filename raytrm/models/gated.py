@@ -2,10 +2,11 @@
 
 h = silu(x @ w_gate^T) * (x @ w_up^T), and gate_up = x @ w^T beside it where asked for, with the bits of cuBLAS's
 product followed by raytrm's Triton gate kernel (kernels.swiglu_gate). The kernel keeps each tile's results in
-registers and gates them while the tensor cores run the next tile's products, so the gate costs the product little
-(H200, TRM's Sudoku shape: README, Performance). It is built with nvcc at its first use and cached under
-constants.cache_dir(); without nvcc, a Hopper GPU or a build that succeeds, `serves` is False and callers compute
-the product and the gate apart. Not yet used by the model: its use in TRM's rounds is issue 14's next step.
+registers and gates them while the tensor cores run the next tile's products, where the gate's arithmetic costs
+nothing; writing h costs more (H200, TRM's Sudoku shape: README, Performance). It is built with nvcc at its first
+use and cached under constants.cache_dir(); without nvcc, a Hopper GPU or a build that succeeds, `serves` is False
+and callers compute the product and the gate apart. Not yet used by the model: whether it can pay in TRM's rounds
+is issue 14's open question.
 """
 
 from __future__ import annotations

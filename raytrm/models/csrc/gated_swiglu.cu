@@ -8,10 +8,9 @@
 // Persistent CTAs of three warp groups. One thread of the first issues the TMA copies of x's and w's tiles into a
 // ring of shared-memory stages; the other two run the products, each 64 rows of a 128 x 256 tile (128 gate and 128 up
 // columns) with asynchronous wgmma. A tile's results stay in registers, rounded to bf16 pairs, and are gated and
-// stored from there while the tensor cores run the next tile's products: the mainloop already keeps shared memory
-// at its bandwidth (the copies in, the operands out), so an epilogue through shared memory slowed the kernel by a
-// third. wgmma's accumulator layout puts a gate column and its up column in the same thread: no data moves between
-// threads.
+// stored from there an eighth at a time while the tensor cores run the next tile's products, where the gate's
+// arithmetic costs nothing (the stores do cost: README, Performance, 2026-11-26 evening). wgmma's accumulator layout
+// puts a gate column and its up column in the same thread, so the gate moves no data between threads.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -23,7 +22,7 @@ namespace {
 constexpr int BM = 128;      // rows of x a tile
 constexpr int BNH = 128;     // h columns a tile (and as many gate and up columns)
 constexpr int BK = 64;       // inner-dimension elements a stage: 128 bytes, the swizzle's width
-constexpr int KB = 8;        // stages a tile: the inner dimension is 512
+constexpr int KB = 8;        // stages a tile: the inner dimension is 512 (the epilogue's eighths take one each)
 constexpr int STAGES = 4;
 constexpr int A_ELEMS = BM * BK, B_ELEMS = 2 * BNH * BK;
 constexpr uint32_t STAGE_BYTES = (A_ELEMS + B_ELEMS) * 2;
@@ -88,8 +87,32 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void wgmma_64x256x16(float (&d)[128], uint64_t a, uint64_t b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
@@ -158,18 +181,43 @@ __global__ void __launch_bounds__(384, 1)
   // [4 i + 2] and [4 i + 3] up likewise (wgmma's layout: a thread holds columns 8 i + 2 (lane % 4) and the next).
   uint32_t kept[64];
   int kept_row = -1, kept_column = 0;
-  auto store = [&](int row, int column, uint32_t h2, uint32_t gate2, uint32_t up2) {
-    if (row >= M) return;
-    *reinterpret_cast<uint32_t*>(&h[size_t(row) * N + column]) = h2;
-    if (gate_up != nullptr) {
-      *reinterpret_cast<uint32_t*>(&gate_up[size_t(row) * 2 * N + column]) = gate2;
-      *reinterpret_cast<uint32_t*>(&gate_up[size_t(row) * 2 * N + N + column]) = up2;
+  const int q = lane % 4;
+  // The quad's four pairs of an 8-column block to lane q of the quad for block 4 j + q, so that each lane stores 16
+  // bytes (a 4 x 4 transposition by shuffles): 4-byte stores made writing gate_up too take 1,097-1,130 us a call
+  // at TRM's Sudoku shape on an H200, against 574-663 with these.
+  auto transpose = [&](uint32_t (&v)[4]) {
+    uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int out = (q + r) & 3, from = (q - r) & 3;
+      const uint32_t send = out == 0 ? v[0] : out == 1 ? v[1] : out == 2 ? v[2] : v[3];
+      const uint32_t got = __shfl_sync(0xffffffffu, send, (lane & ~3) | from);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) w[k] = k == from ? got : w[k];
     }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = w[k];
   };
-  auto finish = [&](int i) {  // i a constant where unrolled: kept stays in registers
-    const int column = kept_column + 8 * i;
-    store(kept_row, column, gated(kept[4 * i], kept[4 * i + 2]), kept[4 * i], kept[4 * i + 2]);
-    store(kept_row + 8, column, gated(kept[4 * i + 1], kept[4 * i + 3]), kept[4 * i + 1], kept[4 * i + 3]);
+  auto put = [&](__nv_bfloat16* base, size_t stride, int row, int column, uint32_t (&v)[4]) {
+    transpose(v);  // every lane of the warp: the shuffles need them all
+    if (row < M) *reinterpret_cast<uint4*>(&base[size_t(row) * stride + column]) = make_uint4(v[0], v[1], v[2], v[3]);
+  };
+  // Row r (kept_row + 8 r) of the kept tile's blocks 4 j to 4 j + 3, an eighth of the tile: a piece a stage, so
+  // that each ends before the products it runs beside (j and r constants where unrolled: kept stays in registers).
+  auto finish = [&](int j, int r) {
+    const int row = kept_row + 8 * r, column = kept_column + 8 * (4 * j + q);
+    uint32_t hv[4], gv[4], uv[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      gv[b] = kept[4 * (4 * j + b) + r];
+      uv[b] = kept[4 * (4 * j + b) + 2 + r];
+      hv[b] = gated(gv[b], uv[b]);
+    }
+    put(h, N, row, column, hv);
+    if (gate_up != nullptr) {
+      put(gate_up, 2 * size_t(N), row, column, gv);
+      put(gate_up + N, 2 * size_t(N), row, column, uv);
+    }
   };
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
 #pragma unroll
@@ -180,10 +228,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) wgmma_64x256x16(d, a + 2 * kk, b + 2 * kk, (k | kk) != 0);
       wgmma_commit();
-      if (kept_row >= 0) {  // an eighth of the previous tile's gate while these products run
-#pragma unroll
-        for (int i = k * 16 / KB; i < (k + 1) * 16 / KB; ++i) finish(i);
-      }
+      if (kept_row >= 0) finish(k / 2, k % 2);  // an eighth of the previous tile while these products run
       if (k > 0) {
         wgmma_wait<1>();
         if (tid == 0) barrier_arrive(&s.empty[last]);
@@ -203,11 +248,11 @@ __global__ void __launch_bounds__(384, 1)
       kept[4 * i + 3] = pack(d[4 * (i + 16) + 2], d[4 * (i + 16) + 3]);
     }
     kept_row = t / column_tiles * BM + half * 64 + warp * 16 + lane / 4;
-    kept_column = t % column_tiles * BNH + 2 * (lane % 4);
+    kept_column = t % column_tiles * BNH;
   }
   if (kept_row >= 0) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) finish(i);
+    for (int piece = 0; piece < 8; ++piece) finish(piece / 2, piece % 2);
   }
 }
 
