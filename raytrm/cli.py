@@ -537,9 +537,10 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const="on",
         default="off",
-        choices=("off", "on", "cudagraphs"),
-        help="trm and transformer: compile raytrm's step (training.compile; cudagraphs adds CUDA graphs) and the "
-        "reference's model (torch.compile, as TRM's pretrain.py and nanoGPT's compile=True do); default: both eager",
+        choices=("off", "on", "cudagraphs", "auto"),
+        help="trm and transformer: compile raytrm's step (training.compile; cudagraphs adds CUDA graphs; auto is what "
+        "training does by default: eager on a CPU) and, where raytrm's step compiles, the reference's model "
+        "(torch.compile, as TRM's pretrain.py and nanoGPT's compile=True do); default: both eager",
     )
     p.add_argument(
         "--breakdown",

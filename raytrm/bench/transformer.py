@@ -140,7 +140,8 @@ def bench_transformer(
     """Median step time, tokens/s and FLOP rate of each (hidden, seq_len), with the matmul ceiling alongside.
 
     reference: follow each raytrm row with the nanoGPT-style reference's, timed in alternation with it.
-    compile_mode: raytrm's training.compile (off, on, cudagraphs); where it compiles, the reference is compiled too.
+    compile_mode: raytrm's training.compile (off, on, cudagraphs, auto); where it compiles, the reference is
+    compiled too.
     """
     corpus = _corpus(work_dir / "corpus.txt")
     rows = []

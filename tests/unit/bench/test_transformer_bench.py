@@ -83,3 +83,12 @@ def test_cli_no_reference_times_raytrm_alone(tmp_path, capsys):
     assert "raytrm" in capsys.readouterr().out
     rows = json.loads(out.read_text())["results"]
     assert [r["impl"] for r in rows] == ["raytrm"] and rows[0]["ratio"] is None
+
+
+def test_cli_compile_auto_runs_what_training_runs_by_default_eager_on_a_cpu(tmp_path):
+    out = tmp_path / "rows.json"
+    argv = ["bench", "transformer", "--hidden", str(HIDDEN), "--seq-lens", str(SEQ), "--batch", str(BATCH)]
+    argv += ["--repeats", "1", "--threads", "1", "--device", "cpu", "--compile", "auto", "--json", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["impl"], r["compiled"]) for r in rows] == [("raytrm", "off"), ("nanogpt", "off")]
