@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from raytrm.constants import cache_dir
+from raytrm.models.kernels import _capability, _multiprocessors
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def serves(x: torch.Tensor, w: torch.Tensor) -> bool:
         and w.is_contiguous()
         and x.data_ptr() % 16 == 0
         and w.data_ptr() % 16 == 0
-        and torch.cuda.get_device_capability(x.device) == (9, 0)
+        and _capability(x.device) == (9, 0)
         and register()
     )
 
@@ -124,7 +125,7 @@ def gated_swiglu(
         rows,
         inner,
         INNER,
-        torch.cuda.get_device_properties(x.device).multi_processor_count,
+        _multiprocessors(x.device),
         torch.cuda.current_stream(x.device).cuda_stream,
     )
     if status != 0:
