@@ -2,11 +2,15 @@
 
 h = silu(x @ w_gate^T) * (x @ w_up^T), and gate_up = x @ w^T beside it where asked for, with the bits of cuBLAS's
 product followed by raytrm's Triton gate kernel (kernels.swiglu_gate). The kernel keeps each tile's results in
-registers and gates them while the tensor cores run the next tile's products, where the gate's arithmetic costs
-nothing; writing h costs more (H200, TRM's Sudoku shape: README, Performance). It is built with nvcc at its first
-use and cached under constants.cache_dir(); without nvcc, a Hopper GPU or a build that succeeds, `serves` is False
-and callers compute the product and the gate apart. Not yet used by the model: whether it can pay in TRM's rounds
-is issue 14's open question.
+registers and gates and stores them while the tensor cores run the next tile's products, where the gate and the
+stores cost little: at TRM's Sudoku shape on an H100, h in 322 us a call and h with gate_up in 414, against 328 for
+cuBLASLt's product alone and 548 with the gate operator after it (README, Performance). raytrm's SwiGLU takes it
+where it serves (layers.SwiGLU): in the rounds without a gradient h alone, in the back-propagated round h and gate_up,
+whose gradient the down projection's backward kernel computes (kernels.swiglu_down_after_gate).
+
+It is built with nvcc when a model is built on a machine with a Hopper GPU, and cached under constants.cache_dir();
+without nvcc, such a GPU or a build that succeeds, `serves` is False (the reason is logged) and the SwiGLU computes
+the product and the gate apart, as before.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from pathlib import Path
 import torch
 
 from raytrm.constants import cache_dir
-from raytrm.models.kernels import _capability, _multiprocessors
+from raytrm.models import cublaslt  # noqa: F401  (torch.ops.raytrm.mm, which the backward runs)
+from raytrm.models.kernels import _aligned, _capability, _multiprocessors
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +36,10 @@ SOURCE = Path(__file__).with_name("csrc") / "gated_swiglu.cu"
 #: The kernel's fixed shapes: the inner dimension (TRM's hidden size 512) and its tiles' columns.
 INNER = 512
 COLUMN_TILE = 128
+#: The compute capability the kernel is built for (sm_90a: wgmma and setmaxnreg).
+HOPPER = (9, 0)
+#: Tests and A/B runs turn this off: the SwiGLU then computes the product and the gate apart.
+ENABLED = True
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC")
 
 _lib: ctypes.CDLL | None = None
@@ -72,51 +81,57 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     return lib, None
 
 
+def _hopper_present() -> bool:
+    return torch.cuda.is_available() and any(
+        torch.cuda.get_device_capability(i) == HOPPER for i in range(torch.cuda.device_count())
+    )
+
+
 def register() -> bool:
-    """Build or load the kernel, once a process; True where it loaded (the reason it did not is logged)."""
+    """Build or load the kernel, once a process, where a Hopper GPU is present; True where it loaded (the reason it
+    did not is logged). Called when a model is built, so that under torch.compile `serves` reads a settled state."""
     global _lib, _why_not, _loaded
     if not _loaded:
-        _lib, _why_not = _build()
+        _lib, _why_not = _build() if not torch.cuda.is_available() or _hopper_present() else (None, "no Hopper GPU")
         _loaded = True
         if _lib is None:
             logger.debug("The gated SwiGLU product is not built: %s", _why_not)
+        else:
+            logger.debug("The gated SwiGLU product is built (%s)", SOURCE.name)
     return _lib is not None
 
 
+@torch.compiler.assume_constant_result
+def _hopper(device: torch.device) -> bool:
+    """Whether a CUDA device is a Hopper GPU (the kernel is built for sm_90a alone); a constant under torch.compile."""
+    return _capability(device) == HOPPER
+
+
 def serves(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether gated_swiglu takes x [..., 512] and w [2 N, 512]: bf16 on a Hopper GPU, contiguous, N a multiple of
-    128, both starting on 16 bytes, and the kernel built."""
+    """Whether gated_swiglu takes x [..., 512] and the weight w [2 N, 512] (the gate's rows first) cast to x's
+    dtype: x bf16 and contiguous on a Hopper GPU, N a multiple of 128, the kernel built (`register`), ENABLED."""
     return (
-        x.is_cuda
-        and x.dtype == w.dtype == torch.bfloat16
+        ENABLED
+        and _lib is not None
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
         and x.shape[-1] == INNER
         and w.dim() == 2
         and w.shape[1] == INNER
         and w.shape[0] % (2 * COLUMN_TILE) == 0
         and x.numel() > 0
         and x.is_contiguous()
-        and w.is_contiguous()
-        and x.data_ptr() % 16 == 0
-        and w.data_ptr() % 16 == 0
-        and _capability(x.device) == (9, 0)
-        and register()
+        and _hopper(x.device)
     )
 
 
-def gated_swiglu(
-    x: torch.Tensor, w: torch.Tensor, keep_gate_up: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(h [..., N], gate_up [..., 2 N] or None) for x [..., 512] and w [2 N, 512] (the gate's rows first)."""
-    if not serves(x, w):
-        raise ValueError(
-            f"gated_swiglu takes bf16 x [..., {INNER}] and w [2 N, {INNER}] (N a multiple of {COLUMN_TILE}), "
-            f"contiguous, on a Hopper GPU with the kernel built; got x {tuple(x.shape)} {x.dtype} on {x.device}, "
-            f"w {tuple(w.shape)} {w.dtype}" + (f" ({_why_not})" if _why_not else "")
-        )
+def _launch(x: torch.Tensor, w: torch.Tensor, keep_gate_up: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernel over x [rows, 512] and w [2 N, 512]: (h, gate_up or None), fresh."""
     assert _lib is not None
-    rows, inner = x.numel() // INNER, w.shape[0] // 2
-    h = x.new_empty(*x.shape[:-1], inner)
-    gate_up = x.new_empty(*x.shape[:-1], 2 * inner) if keep_gate_up else None
+    x, w = _aligned(x.contiguous()), _aligned(w.contiguous())  # TMA copies start on 16 bytes
+    rows, inner = x.shape[0], w.shape[0] // 2
+    h = x.new_empty(rows, inner)
+    gate_up = x.new_empty(rows, 2 * inner) if keep_gate_up else None
     status = _lib.raytrm_gated_swiglu(
         x.data_ptr(),
         w.data_ptr(),
@@ -131,3 +146,76 @@ def gated_swiglu(
     if status != 0:
         raise RuntimeError(f"the gated SwiGLU kernel failed to launch: CUDA error {status}")
     return h, gate_up
+
+
+# Opaque operators, as kernels.py's: h alone (the rounds without a gradient), and h with gate_up, differentiable
+# through gate_up (h's use, the down projection, computes gate_up's gradient: kernels.swiglu_down_after_gate).
+@torch.library.custom_op("raytrm::gated_swiglu", mutates_args=())
+def _gated_swiglu_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _launch(x, w, keep_gate_up=False)[0]
+
+
+@_gated_swiglu_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0] // 2)
+
+
+@torch.library.custom_op("raytrm::gated_swiglu_keeping_gate_up", mutates_args=())
+def _gated_swiglu_keeping_op(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h, gate_up = _launch(x, w, keep_gate_up=True)
+    assert gate_up is not None
+    return h, gate_up
+
+
+@_gated_swiglu_keeping_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape[0], w.shape[0] // 2), x.new_empty(x.shape[0], w.shape[0])
+
+
+def _setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(*inputs)
+    ctx.mark_non_differentiable(output[0])
+
+
+def _backward(ctx: torch.autograd.function.FunctionCtx, _: object, grad: torch.Tensor) -> tuple:
+    """x's and w's gradients from gate_up's, with the products a Linear's backward runs (cublaslt.mm's), so that
+    they have its bits: w's as the transpose of x^T @ grad."""
+    x, w = ctx.saved_tensors
+    grad = grad.contiguous()
+    return torch.ops.raytrm.mm(grad, w), torch.ops.raytrm.mm(x.t(), grad).t()
+
+
+torch.library.register_autograd("raytrm::gated_swiglu_keeping_gate_up", _backward, setup_context=_setup)
+
+
+def _flops(x_shape: torch.Size, w_shape: torch.Size, *args: object, **kwargs: object) -> int:
+    """The gate/up product's FLOPs, as torch counts a linear layer's."""
+    return 2 * x_shape[0] * x_shape[1] * w_shape[0]
+
+
+def _register_flops() -> None:
+    from torch.utils.flop_counter import register_flop_formula
+
+    for op in (torch.ops.raytrm.gated_swiglu, torch.ops.raytrm.gated_swiglu_keeping_gate_up):
+        register_flop_formula(op)(_flops)
+
+
+_register_flops()
+
+
+def gated_swiglu(
+    x: torch.Tensor, w: torch.Tensor, keep_gate_up: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h [..., N], gate_up [..., 2 N] or None) for x [..., 512] and w [2 N, 512] (the gate's rows first), both
+    bf16. With keep_gate_up it is differentiable through gate_up (h is not)."""
+    if not (serves(x, w) and w.dtype == x.dtype):
+        raise ValueError(
+            f"gated_swiglu takes bf16 x [..., {INNER}] and w [2 N, {INNER}] (N a multiple of {COLUMN_TILE}), "
+            f"contiguous, on a Hopper GPU with the kernel built; got x {tuple(x.shape)} {x.dtype} on {x.device}, "
+            f"w {tuple(w.shape)} {w.dtype}" + (f" ({_why_not})" if _why_not else "")
+        )
+    rows, inner = x.numel() // INNER, w.shape[0] // 2
+    if keep_gate_up:
+        h, gate_up = torch.ops.raytrm.gated_swiglu_keeping_gate_up(x.view(rows, INNER), w)
+        return h.view(*x.shape[:-1], inner), gate_up.view(*x.shape[:-1], 2 * inner)
+    return torch.ops.raytrm.gated_swiglu(x.view(rows, INNER), w).view(*x.shape[:-1], inner), None

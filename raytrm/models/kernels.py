@@ -148,6 +148,13 @@ def fused_swiglu_down_available(gate_up: torch.Tensor, w_down_shape: tuple[int, 
     )
 
 
+def fused_swiglu_down_after_gate_available(x: torch.Tensor) -> bool:
+    """Whether swiglu_down_after_gate serves the SwiGLU of x, with gate_up and h from raytrm.models.gated (fresh,
+    contiguous, of widths its kernels take: multiples of 128 and the input's 512): the kernels take x (half precision
+    on CUDA, once registered) and copy tiles with TMA, as the down projection's backward kernel does."""
+    return _runs_kernels(x) and _tma_copies(x)
+
+
 #: The widest rows swiglu_down_norm takes: a tile holds whole rows (TRM's hidden 512).
 MAX_NORM_WIDTH = 512
 
@@ -428,6 +435,16 @@ def register() -> bool:
         out, inner = w_down.shape
         return gate_up.new_empty(*gate_up.shape[:-1], out), gate_up.new_empty(*gate_up.shape[:-1], inner)
 
+    @torch.library.custom_op("raytrm::swiglu_down_after_gate", mutates_args=())
+    def swiglu_down_after_gate_op(gate_up: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        # h, the gate of gate_up, computed beside it (raytrm.models.gated): cuBLAS's product, the backward as above.
+        rows, out, inner = down_shape(gate_up, w_down)
+        return cublaslt.product(h.view(rows, inner), w_down.t()).view(*gate_up.shape[:-1], out)
+
+    @swiglu_down_after_gate_op.register_fake
+    def _(gate_up: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        return gate_up.new_empty(*gate_up.shape[:-1], w_down.shape[0])
+
     @torch.library.custom_op("raytrm::swiglu_down_backward", mutates_args=())
     def swiglu_down_backward_op(
         grad: torch.Tensor, gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor
@@ -455,13 +472,17 @@ def register() -> bool:
     def swiglu_down_flops(gate_up_shape, w_down_shape, *args: object, **kwargs: object) -> int:
         return down_flops(gate_up_shape, w_down_shape, 1)
 
-    # The three forwards do one product the down projection's size each.
+    # The forwards do one product the down projection's size each.
     for forward in (
         torch.ops.raytrm.swiglu_down,
         torch.ops.raytrm.swiglu_down_norm,
         torch.ops.raytrm.swiglu_down_keeping_gate,
     ):
         register_flop_formula(forward)(swiglu_down_flops)
+
+    @register_flop_formula(torch.ops.raytrm.swiglu_down_after_gate)
+    def swiglu_down_after_gate_flops(gate_up_shape, h_shape, w_down_shape, *args: object, **kwargs: object) -> int:
+        return down_flops(gate_up_shape, w_down_shape, 1)
 
     @register_flop_formula(torch.ops.raytrm.swiglu_down_backward)
     def swiglu_down_backward_flops(grad_shape, gate_up_shape, w_down_shape, *args: object, **kwargs: object) -> int:
@@ -477,6 +498,19 @@ def register() -> bool:
         return torch.ops.raytrm.swiglu_down_backward(grad.contiguous(), gate_up, w_down, h)
 
     torch.library.register_autograd("raytrm::swiglu_down_keeping_gate", down_backward, setup_context=down_setup)
+
+    def after_gate_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+        gate_up, h, w_down = inputs
+        ctx.save_for_backward(gate_up, w_down, h)
+
+    def after_gate_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+        gate_up, w_down, h = ctx.saved_tensors
+        grad_gate_up, grad_w_down = torch.ops.raytrm.swiglu_down_backward(grad.contiguous(), gate_up, w_down, h)
+        return grad_gate_up, None, grad_w_down
+
+    torch.library.register_autograd(
+        "raytrm::swiglu_down_after_gate", after_gate_backward, setup_context=after_gate_setup
+    )
 
     def rope_launch(kernel: object, tokens: int, L: int, heads: int, head_dim: int, *args: object) -> None:
         """Run a RoPE kernel over tokens (batch x L) in blocks, a program per block and part (q, k, v)."""
@@ -637,6 +671,14 @@ def swiglu_down(gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled():
         return torch.ops.raytrm.swiglu_down_keeping_gate(gate_up, w_down)[0]
     return torch.ops.raytrm.swiglu_down(gate_up, w_down)
+
+
+def swiglu_down_after_gate(gate_up: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """h @ w_down^T for h = silu(gate) * up already computed beside gate_up (raytrm.models.gated), differentiable
+    through gate_up and w_down as swiglu_down is (the gate's backward in the epilogue of the product that gives its
+    gradient; h kept for w_down's). Only where fused_swiglu_down_available(gate_up, w_down.shape) with a gradient
+    recorded."""
+    return torch.ops.raytrm.swiglu_down_after_gate(gate_up, h, w_down)
 
 
 def swiglu_down_norm(

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raytrm.models import cublaslt, kernels, onednn
+from raytrm.models import cublaslt, gated, kernels, onednn
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -384,15 +384,21 @@ class SwiGLU(nn.Module):
         super().__init__()
         inner = swiglu_width(hidden_size, expansion)
         kernels.register()  # the gate's operator, where Triton is installed
+        gated.register()  # the gate/up product with its gate, where a Hopper GPU and nvcc are
         self.gate_up_proj = Linear(hidden_size, 2 * inner)
         self.down_proj = Linear(inner, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._down(self.gate_up_proj(x))
+        y = self._gated(x)
+        return self._down(self.gate_up_proj(x)) if y is None else y
 
     def add_norm(self, x: torch.Tensor, eps: float, then: torch.Tensor | None = None) -> torch.Tensor:
         """rms_norm(x + self(x), eps): the SwiGLU with the residual add and norm after it (a post-norm block's); plus
         `then`, where given, as a separate add would give it."""
+        f = self._gated(x)
+        if f is not None:
+            y = add_rms_norm(x, f, eps)
+            return y if then is None else y + then
         gate_up = self.gate_up_proj(x)
         w_down = self.down_proj.weight
         if self.down_proj.bias is None and kernels.fused_swiglu_down_norm_available(x, gate_up, w_down.shape, then):
@@ -400,6 +406,22 @@ class SwiGLU(nn.Module):
             return kernels.swiglu_down_norm(gate_up, cast(w_down, x.dtype), x, eps, then)
         y = add_rms_norm(x, self._down(gate_up), eps)
         return y if then is None else y + then
+
+    def _gated(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The SwiGLU of x with its gate/up product and gate in one kernel (raytrm.models.gated), where that serves
+        x (bf16 on a Hopper GPU, hidden 512): without a gradient its h goes to the down projection; with one, h and
+        gate_up, and the down projection's backward kernel gives gate_up's gradient (kernels.swiglu_down_after_gate).
+        None elsewhere: the product and the gate apart (add_norm, _down)."""
+        w_gate_up = self.gate_up_proj.weight
+        if self.gate_up_proj.bias is not None or self.down_proj.bias is not None or not gated.serves(x, w_gate_up):
+            return None
+        w_gate_up = cast(w_gate_up, x.dtype)
+        if not torch.is_grad_enabled():
+            return self.down_proj(gated.gated_swiglu(x, w_gate_up)[0])
+        if not kernels.fused_swiglu_down_after_gate_available(x):
+            return None
+        h, gate_up = gated.gated_swiglu(x, w_gate_up, keep_gate_up=True)
+        return kernels.swiglu_down_after_gate(gate_up, h, cast(self.down_proj.weight, x.dtype))
 
     def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         w_down = self.down_proj.weight

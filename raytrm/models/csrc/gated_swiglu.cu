@@ -8,9 +8,9 @@
 // Persistent CTAs of three warp groups. One thread of the first issues the TMA copies of x's and w's tiles into a
 // ring of shared-memory stages; the other two run the products, each 64 rows of a 128 x 256 tile (128 gate and 128 up
 // columns) with asynchronous wgmma. A tile's results stay in registers, rounded to bf16 pairs, and are gated and
-// stored from there an eighth at a time while the tensor cores run the next tile's products, where the gate's
-// arithmetic costs nothing (the stores do cost: README, Performance, 2026-11-26 evening). wgmma's accumulator layout
-// puts a gate column and its up column in the same thread, so the gate moves no data between threads.
+// stored from there an eighth at a time while the tensor cores run the next tile's products, where the gate and the
+// stores cost little (README, Performance). wgmma's accumulator layout puts a gate column and its up column in the
+// same thread, so the gate moves no data between threads.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -183,20 +183,20 @@ __global__ void __launch_bounds__(384, 1)
   int kept_row = -1, kept_column = 0;
   const int q = lane % 4;
   // The quad's four pairs of an 8-column block to lane q of the quad for block 4 j + q, so that each lane stores 16
-  // bytes (a 4 x 4 transposition by shuffles): 4-byte stores made writing gate_up too take 1,097-1,130 us a call
-  // at TRM's Sudoku shape on an H200, against 574-663 with these.
+  // bytes: a 4 x 4 transposition in two butterfly stages (lanes q and q ^ 1 swap two words, then q and q ^ 2). On an
+  // H100 at TRM's Sudoku shape, h and gate_up took 414 us a call against 688 with the first transposition, four
+  // shuffles by lane index whose word choices compiled to branches (h alone 322 against 457; build/gg/probe8.py).
+  const bool odd = (q & 1) != 0, high = (q & 2) != 0;
   auto transpose = [&](uint32_t (&v)[4]) {
-    uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int out = (q + r) & 3, from = (q - r) & 3;
-      const uint32_t send = out == 0 ? v[0] : out == 1 ? v[1] : out == 2 ? v[2] : v[3];
-      const uint32_t got = __shfl_sync(0xffffffffu, send, (lane & ~3) | from);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) w[k] = k == from ? got : w[k];
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) v[k] = w[k];
+    uint32_t y0 = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[1], 1);
+    uint32_t y1 = __shfl_xor_sync(0xffffffffu, odd ? v[2] : v[3], 1);
+    const uint32_t s0 = odd ? y0 : v[0], s1 = odd ? v[1] : y0, s2 = odd ? y1 : v[2], s3 = odd ? v[3] : y1;
+    y0 = __shfl_xor_sync(0xffffffffu, high ? s0 : s2, 2);
+    y1 = __shfl_xor_sync(0xffffffffu, high ? s1 : s3, 2);
+    v[0] = high ? y0 : s0;
+    v[1] = high ? y1 : s1;
+    v[2] = high ? s2 : y0;
+    v[3] = high ? s3 : y1;
   };
   auto put = [&](__nv_bfloat16* base, size_t stride, int row, int column, uint32_t (&v)[4]) {
     transpose(v);  // every lane of the warp: the shuffles need them all

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from raytrm.models import gated, kernels
 
@@ -28,6 +29,7 @@ def test_without_a_gpu_nothing_is_built_and_the_reason_is_kept():
 @pytest.mark.parametrize("rows", [768 * 97, 1000, 64])
 def test_on_hopper_it_gives_the_bits_of_cublas_product_then_raytrms_gate(rows):
     kernels.register()
+    assert gated.register(), gated._why_not  # as a model's build does
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, 512, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(2 * 1536, 512, device="cuda", generator=gen) / 512**0.5).bfloat16()
@@ -41,6 +43,7 @@ def test_on_hopper_it_gives_the_bits_of_cublas_product_then_raytrms_gate(rows):
 
 @needs_hopper
 def test_on_hopper_it_takes_leading_dimensions_and_refuses_other_widths():
+    assert gated.register(), gated._why_not
     x = torch.randn(3, 97, 512, device="cuda").bfloat16()
     w = torch.randn(512, 512, device="cuda").bfloat16()
     h, _ = gated.gated_swiglu(x, w)
@@ -49,3 +52,55 @@ def test_on_hopper_it_takes_leading_dimensions_and_refuses_other_widths():
     assert not gated.serves(x[..., :256].contiguous(), w[:, :256].contiguous())  # another inner dimension
     assert not gated.serves(x, w[:384])  # gate and up halves of 192 columns
     assert not gated.serves(x.float(), w.float())
+
+
+def test_a_swiglu_off_hopper_takes_the_product_and_the_gate_apart():
+    from raytrm.models.layers import SwiGLU
+
+    mlp = SwiGLU(512, 4.0)
+    x = torch.randn(2, 5, 512)
+    assert mlp._gated(x) is None  # fp32 on a CPU
+    gate_up = x @ mlp.gate_up_proj.weight.t()
+    gate, up = gate_up.chunk(2, -1)
+    torch.testing.assert_close(mlp(x), (torch.nn.functional.silu(gate) * up) @ mlp.down_proj.weight.t())
+
+
+def _swiglu_pair(seed: int):
+    """A SwiGLU at TRM's Sudoku width and an input of 3 x 97 positions, on the GPU."""
+    from raytrm.models.layers import SwiGLU
+
+    torch.manual_seed(seed)
+    return SwiGLU(512, 4.0).cuda(), torch.randn(3, 97, 512, device="cuda").bfloat16()
+
+
+@needs_hopper
+def test_on_hopper_the_swiglus_back_propagated_form_has_the_bits_of_the_product_and_gate_apart(monkeypatch):
+    mlp, x = _swiglu_pair(0)
+    g = torch.randn(3, 97, 512, device="cuda").bfloat16()
+    assert gated.serves(x, mlp.gate_up_proj.weight)  # SwiGLU's build registered it
+    results, flops = {}, {}
+    for enabled in (True, False):
+        monkeypatch.setattr(gated, "ENABLED", enabled)
+        mlp.zero_grad(set_to_none=True)
+        xs = x.clone().requires_grad_()
+        with FlopCounterMode(display=False) as counter:
+            y = mlp.add_norm(xs, 1e-5)
+            y.backward(g)
+        results[enabled] = (y, xs.grad, mlp.gate_up_proj.weight.grad, mlp.down_proj.weight.grad)
+        flops[enabled] = counter.get_total_flops()
+    for on, off in zip(results[True], results[False], strict=True):
+        assert torch.equal(on, off)
+    assert flops[True] == flops[False] == 3 * 2 * (3 * 97) * 512 * (3072 + 1536)  # forward and two gradients each
+
+
+@needs_hopper
+def test_on_hopper_the_swiglus_no_grad_form_matches_the_fused_kernels_within_bf16_noise(monkeypatch):
+    mlp, x = _swiglu_pair(1)
+    then = torch.randn_like(x)
+    outputs = {}
+    with torch.no_grad():
+        for enabled in (True, False):
+            monkeypatch.setattr(gated, "ENABLED", enabled)
+            outputs[enabled] = (mlp.add_norm(x, 1e-5, then), mlp(x))
+    for on, off in zip(outputs[True], outputs[False], strict=True):
+        assert ((on.float() - off.float()).norm() / off.float().norm()) < 4e-3
