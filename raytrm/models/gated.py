@@ -2,11 +2,11 @@
 
 h = silu(x @ w_gate^T) * (x @ w_up^T), and gate_up = x @ w^T beside it where asked for, with the bits of cuBLAS's
 product followed by raytrm's Triton gate kernel (kernels.swiglu_gate). The kernel keeps each tile's results in
-registers and gates and stores them while the tensor cores run the next tile's products, where the gate and the
-stores cost little: at TRM's Sudoku shape on an H100, h in 322 us a call and h with gate_up in 414, against 328 for
-cuBLASLt's product alone and 548 with the gate operator after it (README, Performance). raytrm's SwiGLU takes it
-where it serves (layers.SwiGLU): in the rounds without a gradient h alone, in the back-propagated round h and gate_up,
-whose gradient the down projection's backward kernel computes (kernels.swiglu_down_after_gate).
+registers and gates and stores them while the tensor cores run the next tile's products: at TRM's Sudoku shape on an
+H200, h in 367 us a call and h with gate_up in 444, against 338 for cuBLASLt's product alone and 466 with the gate
+operator after it (README, Performance). raytrm's SwiGLU takes it where it serves (layers.SwiGLU): in the rounds
+without a gradient h alone, then cuBLAS's down projection; in the back-propagated round h and gate_up, whose gradient
+the down projection's backward kernel computes (kernels.swiglu_down_after_gate).
 
 It is built with nvcc when a model is built on a machine with a Hopper GPU, and cached under constants.cache_dir();
 without nvcc, such a GPU or a build that succeeds, `serves` is False (the reason is logged) and the SwiGLU computes

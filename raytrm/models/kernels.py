@@ -30,7 +30,10 @@ and 0.577 for the gate operators and cuBLAS, to the same bits there. In the no-g
 residual add and norm after the SwiGLU join the same kernel's epilogue (`swiglu_down_norm`, a tile holding whole
 rows): 0.389 ms against 0.426 for `swiglu_down` and inductor's add and norm. On GPUs with TMA copies that kernel
 takes its weight, the residual and the injection and writes its output as TMA copies (swiglu_down_norm_kernel, the
-same bits): on an H200, 0.35-0.36 ms against 0.40-0.42, the step 1.024x.
+same bits): on an H200, 0.35-0.36 ms against 0.40-0.42, the step 1.024x. On Hopper GPUs where raytrm.models.gated's
+kernel is built, the gate comes out of the gate/up product instead (layers.SwiGLU): the rounds without a gradient then
+take cuBLAS's down projection and inductor's add and norm, and the back-propagated round `swiglu_down_after_gate`,
+whose backward is `swiglu_down`'s.
 
 TRM-attention's whole attention is an operator too (`rope_attention`), for sequences of at most 128 positions
 (Sudoku's 97): a program takes a head's whole sequence on chip, rotating q and k as it loads them from the fused
