@@ -8,9 +8,10 @@
 // Persistent CTAs of three warp groups. One thread of the first issues the TMA copies of x's and w's tiles into a
 // ring of shared-memory stages; the other two run the products, each 64 rows of a 128 x 256 tile (128 gate and 128 up
 // columns) with asynchronous wgmma. A tile's results stay in registers, rounded to bf16 pairs, and are gated and
-// stored from there an eighth at a time while the tensor cores run the next tile's products, where the gate and the
-// stores cost little (README, Performance). wgmma's accumulator layout puts a gate column and its up column in the
-// same thread, so the gate moves no data between threads.
+// stored from there an eighth at a time while the tensor cores run the next tile's products. wgmma's accumulator layout
+// puts a gate column and its up column in the same thread, so the gate moves no data between threads, and w's rows,
+// taken in the kernel's order (raytrm_gated_swiglu), put 8 consecutive columns in each thread, so neither do the
+// 16-byte stores: the epilogue, which bounds the kernel, has no shuffles (README, Performance).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -182,30 +183,14 @@ __global__ void __launch_bounds__(384, 1)
   uint32_t kept[64];
   int kept_row = -1, kept_column = 0;
   const int q = lane % 4;
-  // The quad's four pairs of an 8-column block to lane q of the quad for block 4 j + q, so that each lane stores 16
-  // bytes: a 4 x 4 transposition in two butterfly stages (lanes q and q ^ 1 swap two words, then q and q ^ 2). On an
-  // H100 at TRM's Sudoku shape, h and gate_up took 414 us a call against 688 with the first transposition, four
-  // shuffles by lane index whose word choices compiled to branches (h alone 322 against 457; build/gg/probe8.py).
-  const bool odd = (q & 1) != 0, high = (q & 2) != 0;
-  auto transpose = [&](uint32_t (&v)[4]) {
-    uint32_t y0 = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[1], 1);
-    uint32_t y1 = __shfl_xor_sync(0xffffffffu, odd ? v[2] : v[3], 1);
-    const uint32_t s0 = odd ? y0 : v[0], s1 = odd ? v[1] : y0, s2 = odd ? y1 : v[2], s3 = odd ? v[3] : y1;
-    y0 = __shfl_xor_sync(0xffffffffu, high ? s0 : s2, 2);
-    y1 = __shfl_xor_sync(0xffffffffu, high ? s1 : s3, 2);
-    v[0] = high ? y0 : s0;
-    v[1] = high ? y1 : s1;
-    v[2] = high ? s2 : y0;
-    v[3] = high ? s3 : y1;
-  };
-  auto put = [&](__nv_bfloat16* base, size_t stride, int row, int column, uint32_t (&v)[4]) {
-    transpose(v);  // every lane of the warp: the shuffles need them all
+  auto put = [&](__nv_bfloat16* base, size_t stride, int row, int column, const uint32_t (&v)[4]) {
     if (row < M) *reinterpret_cast<uint4*>(&base[size_t(row) * stride + column]) = make_uint4(v[0], v[1], v[2], v[3]);
   };
   // Row r (kept_row + 8 r) of the kept tile's blocks 4 j to 4 j + 3, an eighth of the tile: a piece a stage, so
   // that each ends before the products it runs beside (j and r constants where unrolled: kept stays in registers).
+  // w's rows come in the kernel's order (see the entry point), so the thread's four pairs are 8 consecutive columns.
   auto finish = [&](int j, int r) {
-    const int row = kept_row + 8 * r, column = kept_column + 8 * (4 * j + q);
+    const int row = kept_row + 8 * r, column = kept_column + 32 * j + 8 * q;
     uint32_t hv[4], gv[4], uv[4];
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
@@ -267,7 +252,10 @@ int encode(CUtensorMap* map, const void* base, int rows) {
 }  // namespace
 
 // 0 on success, else a CUDA driver (tensor map) or runtime (launch) error code; -1 for shapes it does not take.
-// Pointers start on 16 bytes; gate_up may be null.
+// Pointers start on 16 bytes; gate_up may be null. w's rows come in the kernel's order: within each 32 rows, the row
+// of output column 8 q + 2 i + e (q, i < 4, e < 2) at 8 i + 2 q + e, so that the 8 columns wgmma's accumulator layout
+// gives a thread of a quad (2 of each 8-column block) are 8 consecutive output columns, stored as 16 bytes as they
+// are (no exchange between lanes; the products' sums are the same).
 extern "C" int raytrm_gated_swiglu(const void* x, const void* w, void* h, void* gate_up, int M, int N, int K,
                                    int multiprocessors, void* stream) {
   if (K != KB * BK || N % BNH != 0 || M <= 0) return -1;
