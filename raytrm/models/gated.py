@@ -3,7 +3,7 @@
 h = silu(x @ w_gate^T) * (x @ w_up^T), and gate_up = x @ w^T beside it where asked for, with the bits of cuBLAS's
 product followed by raytrm's Triton gate kernel (kernels.swiglu_gate). The kernel keeps each tile's results in
 registers and gates and stores them while the tensor cores run the next tile's products: at TRM's Sudoku shape on an
-H200, h in 367 us a call and h with gate_up in 444, against 338 for cuBLASLt's product alone and 466 with the gate
+H200, h in 359 us a call and h with gate_up in 397, against 317 for cuBLASLt's product alone and 461 with the gate
 operator after it (README, Performance). raytrm's SwiGLU takes it where it serves (layers.SwiGLU): in the rounds
 without a gradient h alone, then cuBLAS's down projection; in the back-propagated round h and gate_up, whose gradient
 the down projection's backward kernel computes (kernels.swiglu_down_after_gate).

@@ -679,8 +679,7 @@ def swiglu_down(gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
 def swiglu_down_after_gate(gate_up: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """h @ w_down^T for h = silu(gate) * up already computed beside gate_up (raytrm.models.gated), differentiable
     through gate_up and w_down as swiglu_down is (the gate's backward in the epilogue of the product that gives its
-    gradient; h kept for w_down's). Only where fused_swiglu_down_available(gate_up, w_down.shape) with a gradient
-    recorded."""
+    gradient; h kept for w_down's). Only where fused_swiglu_down_after_gate_available(x) for the SwiGLU's input x."""
     return torch.ops.raytrm.swiglu_down_after_gate(gate_up, h, w_down)
 
 

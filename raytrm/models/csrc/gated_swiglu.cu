@@ -11,7 +11,7 @@
 // stored from there an eighth at a time while the tensor cores run the next tile's products. wgmma's accumulator layout
 // puts a gate column and its up column in the same thread, so the gate moves no data between threads, and w's rows,
 // taken in the kernel's order (raytrm_gated_swiglu), put 8 consecutive columns in each thread, so neither do the
-// 16-byte stores: the epilogue, which bounds the kernel, has no shuffles (README, Performance).
+// 16-byte stores: the epilogue has no shuffles (README, Performance).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
