@@ -92,10 +92,14 @@ def register() -> bool:
     did not is logged). Called when a model is built, so that under torch.compile `serves` reads a settled state."""
     global _lib, _why_not, _loaded
     if not _loaded:
-        _lib, _why_not = _build() if not torch.cuda.is_available() or _hopper_present() else (None, "no Hopper GPU")
+        hopper = _hopper_present()
+        _lib, _why_not = _build() if hopper or not torch.cuda.is_available() else (None, "no Hopper GPU")
         _loaded = True
         if _lib is None:
-            logger.debug("The gated SwiGLU product is not built: %s", _why_not)
+            # On a Hopper GPU the user can act on it (install nvcc, set CUDA_HOME); elsewhere nothing is missing.
+            (logger.info if hopper else logger.debug)(
+                "The gated SwiGLU product is not built: %s; the SwiGLU computes its product and gate apart", _why_not
+            )
         else:
             logger.debug("The gated SwiGLU product is built (%s)", SOURCE.name)
     return _lib is not None

@@ -104,3 +104,16 @@ def test_on_hopper_the_swiglus_no_grad_form_matches_the_fused_kernels_within_bf1
             outputs[enabled] = (mlp.add_norm(x, 1e-5, then), mlp(x))
     for on, off in zip(outputs[True], outputs[False], strict=True):
         assert ((on.float() - off.float()).norm() / off.float().norm()) < 4e-3
+
+
+def test_on_a_hopper_machine_without_nvcc_it_says_what_to_install(monkeypatch, caplog):
+    monkeypatch.setattr(gated, "_loaded", False)
+    monkeypatch.setattr(gated, "_lib", None)
+    monkeypatch.setattr(gated, "_why_not", None)
+    monkeypatch.setattr(gated, "_hopper_present", lambda: True)
+    monkeypatch.setattr(gated.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gated, "_nvcc", lambda: None)
+    with caplog.at_level("INFO", logger="raytrm.models.gated"):
+        assert not gated.register()
+    assert gated._why_not == "no nvcc (set CUDA_HOME or put nvcc on PATH)"
+    assert any(r.levelname == "INFO" and "no nvcc" in r.getMessage() for r in caplog.records)
