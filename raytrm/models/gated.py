@@ -132,16 +132,19 @@ def serves(x: torch.Tensor, w: torch.Tensor) -> bool:
 def _kernel_order(w: torch.Tensor) -> torch.Tensor:
     """w [2 N, 512] with its rows in the kernel's order: within each 32 rows, the row of output column 8 q + 2 i + e
     (q, i < 4, e < 2) at 8 i + 2 q + e, so that the 8 columns that wgmma's accumulator layout gives a thread are 8
-    consecutive output columns (csrc/gated_swiglu.cu). A copy of 3 MB at TRM's shape, 2-3 us; it spares the kernel
-    a 4 x 4 exchange of words within each quad of lanes before every store."""
+    consecutive output columns (csrc/gated_swiglu.cu); it spares the kernel a 4 x 4 exchange of words within each
+    quad of lanes before every store. The order is its own inverse. Under torch.compile the rows move in the kernel
+    that casts the weight to bf16 (`gated_swiglu`); as a copy of its own, 3 MB at TRM's shape, it took 7.3 us a call
+    in the H200's step."""
     return w.view(-1, 4, 4, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, keep_gate_up: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The kernel over x [rows, 512] and w [2 N, 512]: (h, gate_up or None), fresh."""
+    """The kernel over x [rows, 512] and w [2 N, 512] in the kernel's order (_kernel_order): (h, gate_up or None),
+    fresh."""
     assert _lib is not None
     rows, inner = x.shape[0], w.shape[0] // 2
-    x, w = _aligned(x.contiguous()), _kernel_order(w)  # TMA copies start on 16 bytes; the copy is fresh
+    x, w = _aligned(x.contiguous()), _aligned(w.contiguous())  # TMA copies start on 16 bytes
     h = x.new_empty(rows, inner)
     gate_up = x.new_empty(rows, 2 * inner) if keep_gate_up else None
     status = _lib.raytrm_gated_swiglu(
@@ -160,8 +163,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, keep_gate_up: bool) -> tuple[torch
     return h, gate_up
 
 
-# Opaque operators, as kernels.py's: h alone (the rounds without a gradient), and h with gate_up, differentiable
-# through gate_up (h's use, the down projection, computes gate_up's gradient: kernels.swiglu_down_after_gate).
+# Opaque operators, as kernels.py's: h alone (the rounds without a gradient; w in the kernel's order, which the
+# caller's graph gives), and h with gate_up, differentiable through gate_up (h's use, the down projection, computes
+# gate_up's gradient: kernels.swiglu_down_after_gate; w as the layer has it, which its backward takes).
 @torch.library.custom_op("raytrm::gated_swiglu", mutates_args=())
 def _gated_swiglu_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _launch(x, w, keep_gate_up=False)[0]
@@ -174,7 +178,7 @@ def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("raytrm::gated_swiglu_keeping_gate_up", mutates_args=())
 def _gated_swiglu_keeping_op(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    h, gate_up = _launch(x, w, keep_gate_up=True)
+    h, gate_up = _launch(x, _kernel_order(w), keep_gate_up=True)
     assert gate_up is not None
     return h, gate_up
 
@@ -230,4 +234,5 @@ def gated_swiglu(
     if keep_gate_up:
         h, gate_up = torch.ops.raytrm.gated_swiglu_keeping_gate_up(x.view(rows, INNER), w)
         return h.view(*x.shape[:-1], inner), gate_up.view(*x.shape[:-1], 2 * inner)
-    return torch.ops.raytrm.gated_swiglu(x.view(rows, INNER), w).view(*x.shape[:-1], inner), None
+    h = torch.ops.raytrm.gated_swiglu(x.view(rows, INNER), _kernel_order(w))
+    return h.view(*x.shape[:-1], inner), None

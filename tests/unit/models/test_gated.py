@@ -20,6 +20,15 @@ def test_it_serves_no_cpu_tensor_and_says_what_it_takes():
         gated.gated_swiglu(x, w)
 
 
+def test_the_kernel_order_puts_each_threads_eight_columns_together_and_is_its_own_inverse():
+    w = torch.arange(64, dtype=torch.float32).view(64, 1).expand(64, 512).contiguous()
+    ordered = gated._kernel_order(w)
+    for row in range(64):  # within each 32 rows, output column 8 q + 2 i + e sits at row 8 i + 2 q + e
+        block, q, i, e = row // 32, row % 32 // 8, row % 8 // 2, row % 2
+        assert ordered[block * 32 + 8 * i + 2 * q + e, 0] == row
+    assert torch.equal(gated._kernel_order(ordered), w)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the build's reason without a GPU")
 def test_without_a_gpu_nothing_is_built_and_the_reason_is_kept():
     assert gated._build() == (None, "no CUDA device")
