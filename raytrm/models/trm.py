@@ -172,6 +172,10 @@ class TRM(nn.Module):
     #: once: graphed too, TRM-attention's step at batch 768 on an H200 took 82.78 and 83.22 ms against 82.14 and
     #: 82.52 without graphs, the round alone graphed 84.76 and 85.72 against 85.41 and 85.86 (another H200).
     graph_regions = ("_round",)
+    #: Graphed regions whose outputs stay in the graphs' memory (raytrm.train.compile): each round hands its states to
+    #: the next where it wrote them, and `forward` copies out the carry's. Copied out after every round, the states
+    #: were copied back in by the next round's replay: 5 of TRM-attention's [B, L, D] tensors a round.
+    graph_outputs_in_place = ("_round",)
 
     def __init__(
         self,
@@ -353,6 +357,10 @@ class TRM(nn.Module):
         )  # fmt: skip
         z_H, z_L = self._recurse(z_H, z_L, x)
         z_H, z_L, logits, q_halt, q_continue = self._finish(z_H, z_L)
+        if getattr(self._round, "in_graph_memory", False) and not self.positions_first:
+            # _finish handed on the last round's states, in CUDA graphs' memory, which the next step's replays
+            # rewrite: the carry keeps copies (positions-first states are transposed into fresh ones).
+            z_H, z_L = z_H.detach().clone(), z_L.detach().clone()
 
         with torch.no_grad():
             steps = steps + 1

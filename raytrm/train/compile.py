@@ -98,14 +98,22 @@ class Compiled:
     eager function runs instead from then on, and one warning says why.
 
     clone_outputs: under CUDA graphs a replay writes its outputs into the same memory as the replay before, so
-    outputs that outlive the next call (the states one round hands the next, the carry one step hands the next)
-    are copied out of the graph's memory.
+    outputs that outlive the next call (the transformer's) are copied out of the graph's memory.
+    in_graph_memory: a graphed region whose outputs are handed on in the graphs' memory instead (a model's
+    `graph_outputs_in_place`, TRM's round): CUDA graph trees record each call of a step as a graph of its own, which
+    reads the call before's outputs where they were written; the model copies out what outlives the step.
     """
 
     def __init__(
-        self, eager: Callable[..., Any], compiled: Callable[..., Any], what: str, clone_outputs: bool = False
+        self,
+        eager: Callable[..., Any],
+        compiled: Callable[..., Any],
+        what: str,
+        clone_outputs: bool = False,
+        in_graph_memory: bool = False,
     ) -> None:
         self.eager, self.compiled, self.what, self.clone_outputs = eager, compiled, what, clone_outputs
+        self.in_graph_memory = in_graph_memory
         self.failed: str | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -134,7 +142,8 @@ def compile_regions(
 
     A region is a method the model names in `compile_regions` (TRM: `_round`); the instance's attribute then
     shadows the method, so the model's code calls the compiled form unchanged. compiler defaults to torch.compile.
-    CUDA graphs, where the plan has them, record the regions `graph_regions` picks.
+    CUDA graphs, where the plan has them, record the regions `graph_regions` picks; their outputs are copied out of
+    the graphs' memory, but for the regions the model names in `graph_outputs_in_place` (Compiled).
     """
     logger.info("compile plan: %s", plan.reason)
     if not plan.enabled:
@@ -153,12 +162,15 @@ def compile_regions(
         for p in model.parameters():
             if p.requires_grad:
                 p.register_hook(_own_memory)
+    in_place = getattr(model, "graph_outputs_in_place", ())
     for name in names:
         eager = getattr(model, name)
         graphs = name in graphed
         kwargs = {"backend": plan.backend, **({"mode": plan.mode} if graphs else {})}
         what = f"{type(model).__name__}.{name}"
-        setattr(model, name, Compiled(eager, compiler(eager, **kwargs), what, clone_outputs=graphs))
+        kept = graphs and name in in_place
+        compiled = compiler(eager, **kwargs)
+        setattr(model, name, Compiled(eager, compiled, what, clone_outputs=graphs and not kept, in_graph_memory=kept))
     if graphed:
         model.forward = _new_graph_step(model.forward)
     return names

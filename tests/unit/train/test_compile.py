@@ -86,10 +86,18 @@ class Repeater(Doubler):
         return 3 * x
 
 
+class Relay(Repeater):
+    """A Repeater whose graphed region hands its outputs on in the graphs' memory, as TRM's round does."""
+
+    graph_outputs_in_place = ("twice",)
+
+
 @pytest.mark.parametrize(
     ("model", "asked", "graphed"),
     [
         (Repeater, "auto", ["twice"]),
+        (Relay, "auto", ["twice"]),
+        (Relay, "on", []),  # no graphs, no graphs' memory
         (Repeater, "cudagraphs", ["twice"]),
         (Repeater, "on", []),
         (Doubler, "auto", []),  # names no region: auto leaves it without graphs
@@ -111,8 +119,11 @@ def test_cuda_graphs_record_the_regions_a_model_names_and_others_compile_without
     compile_regions(model, plan_compile(asked, "cuda", "2.13.0"), compiler=compiler)
     assert {name for name, kwargs in seen.items() if kwargs.get("mode") == "reduce-overhead"} == set(graphed)
     assert all(kwargs["backend"] == "inductor" for kwargs in seen.values())
+    kept = set(getattr(model, "graph_outputs_in_place", ())) & set(graphed)
     for name in model.compile_regions:
-        assert getattr(model, name).clone_outputs == (name in graphed)  # a replay's outputs are copied out
+        # A replay's outputs are copied out, but where the model hands them on in the graphs' memory.
+        region = getattr(model, name)
+        assert (region.clone_outputs, region.in_graph_memory) == (name in graphed and name not in kept, name in kept)
     # Graphs mark each step's start, and cuBLASLt's workspace is made before any graph's warm-up.
     assert (model.forward != forward) == bool(graphed)
     assert prepared == ([torch.device("cpu")] if graphed and list(model.parameters()) else [])
@@ -256,7 +267,7 @@ def test_a_compiled_step_equals_the_eager_one_on_cuda_within_bf16_noise(tiny, mo
                 assert trainer.compiled == ["_round", "_start", "_finish"]
                 assert all(getattr(trainer.model, name).failed is None for name in trainer.compiled)
                 assert not counters["graph_break"], dict(counters["graph_break"])
-                graphed = [name for name in trainer.compiled if getattr(trainer.model, name).clone_outputs]
+                graphed = [name for name in trainer.compiled if getattr(trainer.model, name).in_graph_memory]
                 assert graphed == ([] if compile_mode == "on" else ["_round"])
         finally:
             trainer.close()
