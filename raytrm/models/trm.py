@@ -44,6 +44,15 @@ Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) tables, or None wi
 CPU_COLUMN_BLOCK = 1024
 
 
+def rows(t: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
+    """t's rows at index: t itself where index is a slice of all of them. A step takes all slots of its batch and
+    carry unless it is cut into micro-batches or shared between workers, and a slice, a view though it is, costs an
+    operator call of the host at the step's start, while the device waits for its first kernels."""
+    if isinstance(index, slice) and index.indices(len(t)) == (0, len(t), 1):
+        return t
+    return t[index]
+
+
 @dataclass
 class Carry:
     """What TRM keeps between supervision steps, one slot per batch row."""
@@ -65,7 +74,7 @@ class Carry:
 
     def __getitem__(self, index: slice | torch.Tensor) -> Carry:
         """The carry of some slots (a micro-batch's share of a global carry)."""
-        return Carry(**{k: v[index] for k, v in self.to_dict().items()})
+        return Carry(**{k: rows(v, index) for k, v in self.to_dict().items()})
 
     def assign_(self, index: slice, other: Carry) -> None:
         """Write other's slots into this carry's slots at index, in place."""
@@ -113,7 +122,7 @@ class Exploration:
         return cls(devices.queued_copy(min_halt_steps, device))
 
     def __getitem__(self, index: slice | torch.Tensor) -> Exploration:
-        return Exploration(self.min_halt_steps[index])
+        return Exploration(rows(self.min_halt_steps, index))
 
 
 class Block(nn.Module):

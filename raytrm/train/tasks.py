@@ -21,7 +21,7 @@ from raytrm.data.cache import open_dataset_for
 from raytrm.data.text import open_text_dataset
 from raytrm.models.losses import act_loss
 from raytrm.models.transformer import Transformer
-from raytrm.models.trm import TRM, Carry, Exploration
+from raytrm.models.trm import TRM, Carry, Exploration, rows
 from raytrm.train.optim import SignSGD
 
 Batch = dict[str, torch.Tensor]
@@ -147,7 +147,7 @@ class TRMTask:
     ) -> tuple[Scalar, dict[str, Scalar]]:
         """Forward and backward of the slots `part`, on model (the task's, or a replica sharing its weights)."""
         assert self.carry is not None
-        micro = {k: v[part] for k, v in batch.items()}
+        micro = {k: rows(v, part) for k, v in batch.items()}
         carry, outputs = (model or self.model)(self.carry[part], micro, step[part])
         loss, metrics = act_loss(outputs, carry, global_batch_size=self._global_batch, compute_dtype=self.loss_dtype)
         loss.backward()
@@ -281,8 +281,8 @@ class TransformerTask:
     def micro_step(
         self, batch: Batch, part: slice, divisor: int, model: nn.Module | None = None
     ) -> tuple[Scalar, dict[str, Scalar]]:
-        labels = batch["labels"][part]
-        logits = (model or self.model)(batch["inputs"][part])
+        labels = rows(batch["labels"], part)
+        logits = (model or self.model)(rows(batch["inputs"], part))
         # Cross-entropy in fp32 whatever the forward dtype; summed, then divided by the global count.
         total = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="sum")
         loss = total / divisor

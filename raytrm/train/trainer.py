@@ -30,7 +30,7 @@ from raytrm.distributed.shares import shard, split
 from raytrm.distributed.sync import GradientSync, LocalSync, OverlappedAllReduce
 from raytrm.hardware import device as devices
 from raytrm.models import onednn
-from raytrm.models.trm import Carry
+from raytrm.models.trm import Carry, rows
 from raytrm.train import threaded
 from raytrm.train.compile import compile_regions, plan_compile
 from raytrm.train.memory import cut
@@ -256,8 +256,8 @@ class Trainer:
     ) -> tuple[Scalar, dict[str, Scalar]]:
         """forward_backward without reading its results: the loss and metric sums, on the device alone."""
         batch = self._next_global_batch() if batch is None else batch
-        batch = {k: v[self.shard].to(self.device, non_blocking=True) for k, v in batch.items()}
-        self._sample_bytes = sum(v[0].numel() * v.element_size() for v in batch.values() if v.dim() > 0)
+        batch = {k: rows(v, self.shard).to(self.device, non_blocking=True) for k, v in batch.items()}
+        self._sample_bytes = sum(math.prod(v.shape[1:]) * v.element_size() for v in batch.values() if v.dim() > 0)
         start = time.perf_counter()
         step = self.task.begin_step(batch, self.global_batch, self.shard)
         # Only allocators that raise need a copy to redo from; on the CPU nothing raises, so nothing is copied.

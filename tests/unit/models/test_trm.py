@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from raytrm.config import ModelConfig
 from raytrm.models import TRM, Carry, Exploration, act_loss, to_reference_state_dict
+from raytrm.models.trm import rows
 
 SUDOKU = {"vocab_size": 11, "seq_len": 81, "num_puzzle_identifiers": 1}
 SMALL = {
@@ -211,6 +212,28 @@ def test_carry_is_detached_and_the_step_backpropagates():
     assert ids.tolist() == batch["puzzle_identifiers"].tolist() and grads.abs().sum() > 0
 
 
+@pytest.mark.parametrize(("variant", "pos"), [("attention", "rope"), ("mlp_t", "none")])
+def test_a_carry_of_states_left_in_cuda_graphs_memory_is_a_copy(variant, pos):
+    from raytrm.train.compile import Compiled
+
+    model = small_model(variant, pos).eval()
+    batch = make_batch(2)
+    expected, _ = model(model.initial_carry(batch), batch)
+    finished = []
+    finish = model._finish
+    model._finish = lambda *states: finished.append(finish(*states)) or finished[-1]
+    # As compile_regions leaves a graphed round whose states stay in the graphs' memory (TRM.graph_outputs_in_place).
+    model._round = Compiled(model._round, model._round, "TRM._round", in_graph_memory=True)
+    carry, _ = model(model.initial_carry(batch), batch)
+    torch.testing.assert_close(carry.z_H, expected.z_H, rtol=0, atol=0)
+    torch.testing.assert_close(carry.z_L, expected.z_L, rtol=0, atol=0)
+    z_H, z_L = finished[0][:2]
+    # Attention's _finish hands the round's states on as they are: the carry copies them; positions-first states
+    # come out of _finish transposed into fresh memory, which the carry keeps.
+    copied = variant == "attention"
+    assert (carry.z_H.data_ptr() != z_H.data_ptr(), carry.z_L.data_ptr() != z_L.data_ptr()) == (copied, copied)
+
+
 def test_halted_slot_restarts_and_unhalted_slot_keeps_its_example():
     model = small_model("mlp_t", "none").train()
     first, second = make_batch(2, seed=1), make_batch(2, seed=2)
@@ -300,6 +323,15 @@ def test_micro_batches_add_up_to_the_global_batch():
         torch.testing.assert_close(g4[name], g1[name], rtol=1e-4, atol=1e-7)
     assert torch.equal(i1, i4)
     torch.testing.assert_close(r4, r1, rtol=1e-4, atol=1e-7)
+
+
+def test_a_slice_of_every_row_is_the_tensor_itself_and_others_are_rows():
+    t = torch.arange(6).view(3, 2)
+    assert rows(t, slice(0, 3)) is t and rows(t, slice(None)) is t
+    assert rows(t, slice(1, 3)).tolist() == [[2, 3], [4, 5]]
+    assert rows(t, torch.tensor([2, 0])).tolist() == [[4, 5], [0, 1]]
+    carry = Carry(*(torch.zeros(3, 2) for _ in range(7)))
+    assert carry[slice(0, 3)].z_H is carry.z_H and carry[slice(0, 2)].z_H.shape == (2, 2)
 
 
 def test_carry_round_trips_through_a_dict():
