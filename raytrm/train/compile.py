@@ -97,11 +97,11 @@ class Compiled:
     """A function run through its compiled form; if compiling or running that fails (not for lack of memory), the
     eager function runs instead from then on, and one warning says why.
 
-    clone_outputs: under CUDA graphs a replay writes its outputs into the same memory as the replay before, so
-    outputs that outlive the next call (the transformer's) are copied out of the graph's memory.
-    in_graph_memory: a graphed region whose outputs are handed on in the graphs' memory instead (a model's
-    `graph_outputs_in_place`, TRM's round): CUDA graph trees record each call of a step as a graph of its own, which
-    reads the call before's outputs where they were written; the model copies out what outlives the step.
+    clone_outputs: under CUDA graphs a replay writes its outputs into the same memory as the replay before, so a
+    graphed region's outputs (the transformer's forward's) are copied out of the graphs' memory, unless
+    in_graph_memory: the region hands them on in the graphs' memory instead (a model's `graph_outputs_in_place`,
+    TRM's round): CUDA graph trees record each call of a step as a graph of its own, which reads the call before's
+    outputs where they were written; the model copies out what outlives the step.
     """
 
     def __init__(
