@@ -507,8 +507,7 @@ def register() -> bool:
         ctx.save_for_backward(gate_up, w_down, h)
 
     def after_gate_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
-        gate_up, w_down, h = ctx.saved_tensors
-        grad_gate_up, grad_w_down = torch.ops.raytrm.swiglu_down_backward(grad.contiguous(), gate_up, w_down, h)
+        grad_gate_up, grad_w_down = down_backward(ctx, grad, None)  # saved as down_setup saves them
         return grad_gate_up, None, grad_w_down
 
     torch.library.register_autograd(

@@ -396,15 +396,14 @@ class SwiGLU(nn.Module):
         """rms_norm(x + self(x), eps): the SwiGLU with the residual add and norm after it (a post-norm block's); plus
         `then`, where given, as a separate add would give it."""
         f = self._gated(x)
-        if f is not None:
-            y = add_rms_norm(x, f, eps)
-            return y if then is None else y + then
-        gate_up = self.gate_up_proj(x)
-        w_down = self.down_proj.weight
-        if self.down_proj.bias is None and kernels.fused_swiglu_down_norm_available(x, gate_up, w_down.shape, then):
-            # On CUDA, without a graph: the add and norm (and then's add) in the down projection's epilogue too.
-            return kernels.swiglu_down_norm(gate_up, cast(w_down, x.dtype), x, eps, then)
-        y = add_rms_norm(x, self._down(gate_up), eps)
+        if f is None:
+            gate_up = self.gate_up_proj(x)
+            w_down = self.down_proj.weight
+            if self.down_proj.bias is None and kernels.fused_swiglu_down_norm_available(x, gate_up, w_down.shape, then):
+                # On CUDA, without a graph: the add and norm (and then's add) in the down projection's epilogue too.
+                return kernels.swiglu_down_norm(gate_up, cast(w_down, x.dtype), x, eps, then)
+            f = self._down(gate_up)
+        y = add_rms_norm(x, f, eps)
         return y if then is None else y + then
 
     def _gated(self, x: torch.Tensor) -> torch.Tensor | None:
