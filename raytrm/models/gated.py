@@ -6,7 +6,9 @@ registers and gates and stores them while the tensor cores run the next tile's p
 H200, h in 359 us a call and h with gate_up in 397, against 317 for cuBLASLt's product alone and 461 with the gate
 operator after it (README, Performance). raytrm's SwiGLU takes it where it serves (layers.SwiGLU): in the rounds
 without a gradient h alone, then cuBLAS's down projection; in the back-propagated round h and gate_up, whose gradient
-the down projection's backward kernel computes (kernels.swiglu_down_after_gate).
+the down projection's backward computes (kernels.swiglu_down_after_gate): on these GPUs with a kernel of this file's
+(`down_backward`), the same CTAs and tiles with the gate's backward in the epilogue, to the bits of raytrm's Triton
+kernel, 325-330 us a call at TRM's shape against its 406-463.
 
 It is built with nvcc when a model is built on a machine with a Hopper GPU, and cached under constants.cache_dir();
 without nvcc, such a GPU or a build that succeeds, `serves` is False (the reason is logged) and the SwiGLU computes
@@ -40,6 +42,8 @@ COLUMN_TILE = 128
 HOPPER = (9, 0)
 #: Tests and A/B runs turn this off: the SwiGLU then computes the product and the gate apart.
 ENABLED = True
+#: And this: the down projection's backward then takes raytrm's Triton kernel (kernels.swiglu_down_backward).
+DOWN_BACKWARD = True
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC")
 
 _lib: ctypes.CDLL | None = None
@@ -76,8 +80,9 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
             os.replace(built, target)  # atomic: a process beside this one sees the whole library or none
     lib = ctypes.CDLL(str(target))
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.raytrm_gated_swiglu.argtypes = [p, p, p, p, i, i, i, i, p]
-    lib.raytrm_gated_swiglu.restype = i
+    for entry in (lib.raytrm_gated_swiglu, lib.raytrm_swiglu_down_backward):
+        entry.argtypes = [p, p, p, p, i, i, i, i, p]
+        entry.restype = i
     return lib, None
 
 
@@ -136,7 +141,7 @@ def _kernel_order(w: torch.Tensor) -> torch.Tensor:
     quad of lanes before every store. The order is its own inverse. Under torch.compile the rows move in the kernel
     that casts the weight to bf16 (`gated_swiglu`); as a copy of its own, 3 MB at TRM's shape, it took 7.3 us a call
     in the H200's step."""
-    return w.view(-1, 4, 4, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+    return w.reshape(-1, 4, 4, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, keep_gate_up: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -161,6 +166,59 @@ def _launch(x: torch.Tensor, w: torch.Tensor, keep_gate_up: bool) -> tuple[torch
     if status != 0:
         raise RuntimeError(f"the gated SwiGLU kernel failed to launch: CUDA error {status}")
     return h, gate_up
+
+
+def serves_down_backward(gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether down_backward takes gate_up [..., 2 F] and w_down [512, F]: both bf16 on a Hopper GPU, gate_up
+    contiguous, F a multiple of 256, the kernel built (`register`), ENABLED and DOWN_BACKWARD."""
+    return (
+        ENABLED
+        and DOWN_BACKWARD
+        and _lib is not None
+        and gate_up.is_cuda
+        and gate_up.dtype == w_down.dtype == torch.bfloat16
+        and w_down.dim() == 2
+        and w_down.shape[0] == INNER
+        and w_down.shape[1] % (2 * COLUMN_TILE) == 0
+        and gate_up.shape[-1] == 2 * w_down.shape[1]
+        and gate_up.numel() > 0
+        and gate_up.is_contiguous()
+        and _hopper(gate_up.device)
+    )
+
+
+def down_order(w_down: torch.Tensor) -> torch.Tensor:
+    """w_down [512, F] as down_backward takes it: transposed, [F, 512], its rows in the kernel's order
+    (_kernel_order). A copy, 1.5 MB at TRM's shape: in the caller's graph, so that under torch.compile it is an
+    inductor kernel of its own."""
+    return _kernel_order(w_down.t())
+
+
+def down_backward(grad: torch.Tensor, gate_up: torch.Tensor, w_ordered: torch.Tensor) -> torch.Tensor:
+    """gate_up's gradient (fresh, laid out as gate_up) for the gradient grad [..., 512] of
+    (silu(gate) * up) @ w_down^T: the gate's gradient grad @ w_down, rounded to bf16, goes through the gate's
+    backward in the product's epilogue (csrc/gated_swiglu.cu), with the bits of kernels.swiglu_down_backward's
+    Triton kernel. w_ordered is down_order(w_down); where serves_down_backward(gate_up, w_down)."""
+    assert _lib is not None
+    inner = w_ordered.shape[0]
+    rows = gate_up.numel() // (2 * inner)
+    # TMA and cp.async copies start on 16 bytes
+    grad, gate_up, w_ordered = (_aligned(t.contiguous()) for t in (grad, gate_up, w_ordered))
+    grad_gate_up = torch.empty_like(gate_up)
+    status = _lib.raytrm_swiglu_down_backward(
+        grad.data_ptr(),
+        w_ordered.data_ptr(),
+        gate_up.data_ptr(),
+        grad_gate_up.data_ptr(),
+        rows,
+        inner,
+        INNER,
+        _multiprocessors(gate_up.device),
+        torch.cuda.current_stream(gate_up.device).cuda_stream,
+    )
+    if status != 0:
+        raise RuntimeError(f"the SwiGLU's down-projection backward kernel failed to launch: CUDA error {status}")
+    return grad_gate_up
 
 
 # Opaque operators, as kernels.py's: h alone (the rounds without a gradient; w in the kernel's order, which the

@@ -33,7 +33,7 @@ takes its weight, the residual and the injection and writes its output as TMA co
 same bits): on an H200, 0.35-0.36 ms against 0.40-0.42, the step 1.024x. On Hopper GPUs where raytrm.models.gated's
 kernel is built, the gate comes out of the gate/up product instead (layers.SwiGLU): the rounds without a gradient then
 take cuBLAS's down projection and inductor's add and norm, and the back-propagated round `swiglu_down_after_gate`,
-whose backward is `swiglu_down`'s.
+whose backward is `swiglu_down`'s, gate_up's gradient from raytrm.models.gated's CUDA kernel (the same bits).
 
 TRM-attention's whole attention is an operator too (`rope_attention`), for sequences of at most 128 positions
 (Sudoku's 97): a program takes a head's whole sequence on chip, rotating q and k as it loads them from the fused
@@ -450,9 +450,20 @@ def register() -> bool:
 
     @torch.library.custom_op("raytrm::swiglu_down_backward", mutates_args=())
     def swiglu_down_backward_op(
-        grad: torch.Tensor, gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor
+        grad: torch.Tensor,
+        gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        h: torch.Tensor,
+        w_ordered: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # With w_ordered (gated.down_order's, from the caller's graph) gate_up's gradient is raytrm.models.gated's
+        # CUDA kernel's, to the same bits.
         rows, out, inner = down_shape(gate_up, w_down)
+        w_grad = cublaslt.product(grad.view(rows, out).t(), h.view(rows, inner))
+        if w_ordered is not None:
+            from raytrm.models import gated  # it imports this module
+
+            return gated.down_backward(grad, gate_up, w_ordered), w_grad
         grad_gate_up = torch.empty_like(gate_up)
         block_m, block_n, block_k = SWIGLU_DOWN_BACKWARD[0][:3]  # the autotuner's hook sets its config's blocks
         # The inputs copied where they do not start on 16 bytes; the output is fresh, so it does.
@@ -466,10 +477,16 @@ def register() -> bool:
         swiglu_down_backward_kernel[grid](
             *descriptors, rows, out, inner, GROUP=SWIGLU_DOWN_GROUP, INTERPRETED=_INTERPRETED
         )  # fmt: skip
-        return grad_gate_up, cublaslt.product(grad.view(rows, out).t(), h.view(rows, inner))
+        return grad_gate_up, w_grad
 
     @swiglu_down_backward_op.register_fake
-    def _(grad: torch.Tensor, gate_up: torch.Tensor, w_down: torch.Tensor, h: torch.Tensor) -> tuple:
+    def _(
+        grad: torch.Tensor,
+        gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        h: torch.Tensor,
+        w_ordered: torch.Tensor | None = None,
+    ) -> tuple:
         return torch.empty_like(gate_up), torch.empty_like(w_down)
 
     def swiglu_down_flops(gate_up_shape, w_down_shape, *args: object, **kwargs: object) -> int:
@@ -498,7 +515,11 @@ def register() -> bool:
 
     def down_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor, _: object) -> tuple:
         gate_up, w_down, h = ctx.saved_tensors
-        return torch.ops.raytrm.swiglu_down_backward(grad.contiguous(), gate_up, w_down, h)
+        from raytrm.models import gated  # it imports this module
+
+        # On Hopper the CUDA kernel, its weight ordered here: under torch.compile in a kernel of inductor's.
+        w_ordered = gated.down_order(w_down) if gated.serves_down_backward(gate_up, w_down) else None
+        return torch.ops.raytrm.swiglu_down_backward(grad.contiguous(), gate_up, w_down, h, w_ordered)
 
     torch.library.register_autograd("raytrm::swiglu_down_keeping_gate", down_backward, setup_context=down_setup)
 

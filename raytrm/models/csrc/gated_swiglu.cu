@@ -1,4 +1,5 @@
 // h = silu(x @ w_gate^T) * (x @ w_up^T) in one product, bf16, for Hopper GPUs (sm_90a); see raytrm/models/gated.py.
+// Below it, the down projection's backward for gate_up's gradient, the gate's backward in its epilogue.
 //
 // x [M, 512] and w [2 N, 512] (the gate's rows, then the up rows) are row-major; h is [M, N] and, where asked for,
 // gate_up [M, 2 N] (x @ w^T) is written too. Each product sums in fp32 and is rounded once to bf16, then the gate is
@@ -241,6 +242,200 @@ __global__ void __launch_bounds__(384, 1)
   }
 }
 
+// --- The down projection's backward: gate_up's gradient -----------------------------------------------------------
+//
+// grad_gate_up [M, 2 F] (laid out as gate_up: gate, then up, in each row) for the gradient grad [M, 512] of
+// h @ w_down^T, h = silu(gate) * up: the gate's gradient grad @ w_down, rounded once to bf16 as a product's output
+// is, goes through the gate's backward (_triton_kernels._gate_gradients' formulas and roundings) on its way out, so
+// that it never goes to memory; the bits of raytrm's Triton kernel (swiglu_down_backward_kernel).
+//
+// The CTAs of gated_swiglu_kernel, on its tiles (128 rows, 256 of F's columns; tiles of 128 columns, tried first,
+// were no faster). w_down comes transposed, [F, 512], its rows in the kernel's order, so that a thread's 8 columns
+// of a 32 are 8 consecutive columns of F. While the tensor cores run a tile's products, each thread finishes the
+// previous tile an eighth a stage: the gate and up it needs come from shared memory, where the thread copied them
+// itself (cp.async, its own chunks alone, so no thread waits for another) AHEAD stages before, and its results go
+// out as 16-byte stores. At TRM's shape on an H200 it took 325-330 us a call against 350-355 with 3 stages and 4
+// (or 2) stages ahead, 580-615 with 2 and 4 (2026-11-26, build/gd/variants.py, medians of 30 over three inputs, the
+// same bits); Triton's kernel 406-463 on another H200 (build/gd/down_probe.py). The epilogue's instructions bound it
+// (Nsight Compute, 3 stages: DRAM 49% busy, 0.43 instructions issued a cycle per scheduler), so g * up and
+// silu(gate) * g are bf16 pair products.
+
+constexpr int DB_STAGES = 4;
+constexpr int AHEAD = 2;  // stages between an eighth's copies and its use; divides KB
+constexpr uint32_t DB_STAGE_BYTES = (A_ELEMS + B_ELEMS) * 2;
+
+struct __align__(1024) DownShared {
+  __nv_bfloat16 a[DB_STAGES][A_ELEMS];
+  __nv_bfloat16 b[DB_STAGES][B_ELEMS];
+  uint4 ahead[AHEAD][2][2][256];  // per stage in flight: rows r and r + 8, gate and up, a 16-byte chunk a thread
+  uint64_t full[DB_STAGES], empty[DB_STAGES];
+};
+
+__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// The gradients of two silu(gate) * up for their gradient g (bf16 pairs): d gate = (g * up) s (1 + gate (1 - s)),
+// d up = silu(gate) g, s = sigmoid(gate), rounded where _gate_gradients rounds (g * up, silu(gate), each result).
+// A product of two bf16 values is exact in fp32, so g * up and silu(gate) * g, each rounded once, are bf16 pair
+// products: the same bits in fewer instructions, which bound this epilogue.
+__device__ __forceinline__ void gate_gradients(uint32_t gate2, uint32_t up2, uint32_t g2, uint32_t& d_gate2,
+                                               uint32_t& d_up2) {
+  const __nv_bfloat162 gate = *reinterpret_cast<__nv_bfloat162*>(&gate2), up = *reinterpret_cast<__nv_bfloat162*>(&up2),
+                       g = *reinterpret_cast<__nv_bfloat162*>(&g2);
+  const float2 x = __bfloat1622float2(gate), g_up = __bfloat1622float2(__hmul2_rn(g, up));
+  const float s0 = sigmoid(x.x), s1 = sigmoid(x.y);
+  d_gate2 = pack(__fmul_rn(__fmul_rn(g_up.x, s0), __fmaf_rn(x.x, __fsub_rn(1.0f, s0), 1.0f)),
+                 __fmul_rn(__fmul_rn(g_up.y, s1), __fmaf_rn(x.y, __fsub_rn(1.0f, s1), 1.0f)));
+  __nv_bfloat162 d_up = __hmul2_rn(__floats2bfloat162_rn(__fmul_rn(x.x, s0), __fmul_rn(x.y, s1)), g);
+  d_up2 = *reinterpret_cast<uint32_t*>(&d_up);
+}
+
+__global__ void __launch_bounds__(384, 1)
+    swiglu_down_backward_kernel(const __grid_constant__ CUtensorMap grad_map, const __grid_constant__ CUtensorMap w_map,
+                                const __nv_bfloat16* __restrict__ gate_up, __nv_bfloat16* __restrict__ grad_gate_up,
+                                int M, int F) {
+  extern __shared__ uint8_t raw[];
+  DownShared& s = *reinterpret_cast<DownShared*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  const int group = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int column_tiles = F / (2 * BNH), tiles = ((M + BM - 1) / BM) * column_tiles;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < DB_STAGES; ++i) {
+      barrier_init(&s.full[i], 1);
+      barrier_init(&s.empty[i], 2);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // Consecutive CTAs take consecutive tiles, a row block's column tiles together: grad is read from memory once.
+  if (group == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (tid != 0) return;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const int row = t / column_tiles * BM, column = t % column_tiles * 2 * BNH;
+      for (int k = 0; k < KB; ++k) {
+        barrier_wait(&s.empty[stage], phase ^ 1);
+        barrier_expect_bytes(&s.full[stage], DB_STAGE_BYTES);
+        copy_tile(s.a[stage], &grad_map, &s.full[stage], k * BK, row);
+        copy_tile(s.b[stage], &w_map, &s.full[stage], k * BK, column);
+        copy_tile(s.b[stage] + BNH * BK, &w_map, &s.full[stage], k * BK, column + BNH);
+        if (++stage == DB_STAGES) stage = 0, phase ^= 1;
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int half = group - 1, warp = tid / 32, lane = tid % 32, q = lane % 4, me = half * 128 + tid;
+  const int first_row = half * 64 + warp * 16 + lane / 4;  // the thread's first row in a tile
+  const size_t stride = 2 * size_t(F);
+  int stage = 0, last = 0;
+  uint32_t phase = 0;
+  float d[128];
+  // The previous tile's gate gradients as bf16 pairs: [2 i] of 8-column block i at the thread's row r, [2 i + 1] at
+  // r + 8.
+  uint32_t kept[64];
+  int kept_tile = -1;
+  // Stage k of tile t (a tile's eighth: rows r and r + 8, the thread's 8 columns of the 32 from 32 k, which w's order
+  // (see the entry point) makes 8 consecutive columns) starts at gate_up's element `at(t, k, row)` for row r.
+  auto at = [&](int t, int k, int& row) {
+    row = t / column_tiles * BM + first_row;
+    return size_t(row) * stride + t % column_tiles * 2 * BNH + 32 * k + 8 * q;
+  };
+  // Copy the gate and up of tile t's stage k into ahead[k % AHEAD], as a copy group (empty for no tile).
+  auto fetch = [&](int t, int k) {
+    if (t >= 0 && t < tiles) {
+      int row;
+      const size_t offset = at(t, k, row);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const bool valid = row + 8 * r < M;
+        const __nv_bfloat16* p = gate_up + (valid ? offset + 8 * r * stride : 0);
+        copy_async(&s.ahead[k % AHEAD][r][0][me], p, valid);
+        copy_async(&s.ahead[k % AHEAD][r][1][me], p + F, valid);
+      }
+    }
+    copy_async_commit();
+  };
+  // The kept tile's stage k: its gate and up, copied AHEAD stages ago, then the next groups' in flight.
+  auto finish = [&](int k) {
+    copy_async_wait<AHEAD - 1>();
+    int kept_row;
+    const size_t offset = at(kept_tile, k, kept_row);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint4 gate = s.ahead[k % AHEAD][r][0][me], up = s.ahead[k % AHEAD][r][1][me];
+      const uint32_t gv[4] = {gate.x, gate.y, gate.z, gate.w}, uv[4] = {up.x, up.y, up.z, up.w};
+      uint32_t d_gate[4], d_up[4];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) gate_gradients(gv[b], uv[b], kept[2 * (4 * k + b) + r], d_gate[b], d_up[b]);
+      if (kept_row + 8 * r < M) {
+        __nv_bfloat16* p = grad_gate_up + offset + 8 * r * stride;
+        *reinterpret_cast<uint4*>(p) = make_uint4(d_gate[0], d_gate[1], d_gate[2], d_gate[3]);
+        *reinterpret_cast<uint4*>(p + F) = make_uint4(d_up[0], d_up[1], d_up[2], d_up[3]);
+      }
+    }
+  };
+  // Stage k of the tile computed now is finished at stage k of the next: its copies go out AHEAD stages before,
+  // during the next tile's stage k - AHEAD, or this tile's k + KB - AHEAD. Groups go out one a stage, empty where
+  // nothing is to copy, so that a stage's are always AHEAD - 1 groups back.
+  auto step = [&](int k, int t) {
+    if (kept_tile >= 0) {
+      finish(k);  // an eighth of the previous tile while this one's products run
+    } else {
+      copy_async_wait<AHEAD - 1>();
+    }
+    if (k < KB - AHEAD) {
+      fetch(kept_tile, k + AHEAD);
+    } else {
+      fetch(t, k + AHEAD - KB);
+    }
+  };
+  for (int k = 0; k < AHEAD; ++k) copy_async_commit();
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+#pragma unroll
+    for (int k = 0; k < KB; ++k) {
+      barrier_wait(&s.full[stage], phase);
+      wgmma_fence();
+      const uint64_t a = descriptor(s.a[stage] + half * 64 * BK), b = descriptor(s.b[stage]);
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) wgmma_64x256x16(d, a + 2 * kk, b + 2 * kk, (k | kk) != 0);
+      wgmma_commit();
+      step(k, t);
+      if (k > 0) {
+        wgmma_wait<1>();
+        if (tid == 0) barrier_arrive(&s.empty[last]);
+      }
+      last = stage;
+      if (++stage == DB_STAGES) stage = 0, phase ^= 1;
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");  // no read of d before the wait
+    if (tid == 0) barrier_arrive(&s.empty[last]);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      kept[2 * i] = pack(d[4 * i], d[4 * i + 1]);
+      kept[2 * i + 1] = pack(d[4 * i + 2], d[4 * i + 3]);
+    }
+    kept_tile = t;
+  }
+  if (kept_tile >= 0) {
+#pragma unroll
+    for (int k = 0; k < KB; ++k) step(k, -1);
+  }
+}
+
 int encode(CUtensorMap* map, const void* base, int rows) {
   const cuuint64_t dims[2] = {cuuint64_t(KB * BK), cuuint64_t(rows)}, strides[1] = {cuuint64_t(KB * BK) * 2};
   const cuuint32_t box[2] = {BK, 128}, elements[2] = {1, 1};
@@ -269,5 +464,23 @@ extern "C" int raytrm_gated_swiglu(const void* x, const void* w, void* h, void* 
   const int grid = tiles < multiprocessors ? tiles : multiprocessors;
   gated_swiglu_kernel<<<grid, 384, bytes, static_cast<cudaStream_t>(stream)>>>(
       x_map, w_map, static_cast<__nv_bfloat16*>(h), static_cast<__nv_bfloat16*>(gate_up), M, N);
+  return int(cudaGetLastError());
+}
+
+// 0 on success, else as raytrm_gated_swiglu's. grad [M, 512] and gate_up [M, 2 F] start on 16 bytes, as does
+// grad_gate_up; w is w_down^T [F, 512] with its rows in the kernel's order (as raytrm_gated_swiglu's w).
+extern "C" int raytrm_swiglu_down_backward(const void* grad, const void* w, const void* gate_up, void* grad_gate_up,
+                                           int M, int F, int K, int multiprocessors, void* stream) {
+  if (K != KB * BK || F % (2 * BNH) != 0 || M <= 0) return -1;
+  CUtensorMap grad_map, w_map;
+  if (int error = encode(&grad_map, grad, M)) return error;
+  if (int error = encode(&w_map, w, F)) return error;
+  const int bytes = int(sizeof(DownShared)) + 1024, tiles = (M + BM - 1) / BM * (F / (2 * BNH));
+  static const cudaError_t configured =
+      cudaFuncSetAttribute(swiglu_down_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (configured != cudaSuccess) return int(configured);
+  const int grid = tiles < multiprocessors ? tiles : multiprocessors;
+  swiglu_down_backward_kernel<<<grid, 384, bytes, static_cast<cudaStream_t>(stream)>>>(
+      grad_map, w_map, static_cast<const __nv_bfloat16*>(gate_up), static_cast<__nv_bfloat16*>(grad_gate_up), M, F);
   return int(cudaGetLastError());
 }

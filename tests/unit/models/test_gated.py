@@ -29,6 +29,15 @@ def test_the_kernel_order_puts_each_threads_eight_columns_together_and_is_its_ow
     assert torch.equal(gated._kernel_order(ordered), w)
 
 
+def test_the_down_projections_backward_takes_w_down_transposed_in_the_kernel_order_and_no_cpu_tensor():
+    w_down = torch.randn(512, 256)
+    ordered = gated.down_order(w_down)
+    assert ordered.shape == (256, 512) and ordered.is_contiguous()
+    assert torch.equal(ordered, gated._kernel_order(w_down.t().contiguous()))
+    assert torch.equal(gated._kernel_order(ordered).t(), w_down)
+    assert not gated.serves_down_backward(torch.zeros(4, 512, dtype=torch.bfloat16), w_down.bfloat16())
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the build's reason without a GPU")
 def test_without_a_gpu_nothing_is_built_and_the_reason_is_kept():
     assert gated._build() == (None, "no CUDA device")
@@ -113,6 +122,45 @@ def test_on_hopper_the_swiglus_no_grad_form_matches_the_fused_kernels_within_bf1
             outputs[enabled] = (mlp.add_norm(x, 1e-5, then), mlp(x))
     for on, off in zip(outputs[True], outputs[False], strict=True):
         assert ((on.float() - off.float()).norm() / off.float().norm()) < 4e-3
+
+
+@needs_hopper
+@pytest.mark.parametrize(("rows", "inner"), [(768 * 97, 1536), (1000, 256), (129, 512)])
+def test_on_hopper_the_down_projections_backward_kernel_gives_the_triton_kernels_bits(rows, inner):
+    kernels.register()
+    assert gated.register(), gated._why_not
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    grad = (torch.randn(rows, 512, device="cuda", generator=gen) / 50).bfloat16()
+    gate_up = (2 * torch.randn(rows, 2 * inner, device="cuda", generator=gen)).bfloat16()
+    w_down = (torch.randn(512, inner, device="cuda", generator=gen) / inner**0.5).bfloat16()
+    h = torch.randn(rows, inner, device="cuda", generator=gen).bfloat16()
+    assert gated.serves_down_backward(gate_up, w_down)
+    triton = torch.ops.raytrm.swiglu_down_backward(grad, gate_up, w_down, h)
+    cuda = torch.ops.raytrm.swiglu_down_backward(grad, gate_up, w_down, h, gated.down_order(w_down))
+    assert torch.equal(cuda[0], triton[0]) and torch.equal(cuda[1], triton[1])
+    # gate_up starting off 16 bytes (copied for the kernel's copies), and the last row block cut short
+    shifted = torch.empty(gate_up.numel() + 8, device="cuda", dtype=torch.bfloat16)[1:][: gate_up.numel()]
+    shifted = shifted.view_as(gate_up).copy_(gate_up)
+    assert torch.equal(gated.down_backward(grad, shifted, gated.down_order(w_down)), triton[0])
+
+
+@needs_hopper
+def test_on_hopper_the_swiglus_backward_takes_the_down_kernel_where_it_serves(monkeypatch):
+    mlp, x = _swiglu_pair(2)
+    w_down = mlp.down_proj.weight.bfloat16()
+    gate_up = torch.zeros(3, 97, 3072, device="cuda", dtype=torch.bfloat16)
+    assert gated.serves_down_backward(gate_up, w_down)
+    assert not gated.serves_down_backward(gate_up[..., :256].contiguous(), w_down[:, :128])  # 128 columns
+    assert not gated.serves_down_backward(gate_up.float(), w_down.float())
+    assert not gated.serves_down_backward(gate_up.transpose(0, 1), w_down)  # not contiguous
+    calls = []
+    launch = gated.down_backward
+    monkeypatch.setattr(gated, "down_backward", lambda *args: calls.append(args) or launch(*args))
+    mlp.add_norm(x.clone().requires_grad_(), 1e-5).backward(torch.randn_like(x))
+    assert len(calls) == 1
+    monkeypatch.setattr(gated, "DOWN_BACKWARD", False)
+    mlp.add_norm(x.clone().requires_grad_(), 1e-5).backward(torch.randn_like(x))
+    assert len(calls) == 1  # Triton's kernel
 
 
 def test_on_a_hopper_machine_without_nvcc_it_says_what_to_install(monkeypatch, caplog):
