@@ -6,9 +6,9 @@ registers and gates and stores them while the tensor cores run the next tile's p
 H200, h in 359 us a call and h with gate_up in 397, against 317 for cuBLASLt's product alone and 461 with the gate
 operator after it (README, Performance). raytrm's SwiGLU takes it where it serves (layers.SwiGLU): in the rounds
 without a gradient h alone, then cuBLAS's down projection; in the back-propagated round h and gate_up, whose gradient
-the down projection's backward computes (kernels.swiglu_down_after_gate): on these GPUs with a kernel of this file's
+the down projection's backward computes (kernels.swiglu_down_after_gate): on these GPUs with a second kernel
 (`down_backward`), the same CTAs and tiles with the gate's backward in the epilogue, to the bits of raytrm's Triton
-kernel, 325-330 us a call at TRM's shape against its 406-463.
+kernel, 348-350 us a call at TRM's shape on an H200 against the Triton kernel's 474-494 (README, Performance).
 
 It is built with nvcc when a model is built on a machine with a Hopper GPU, and cached under constants.cache_dir();
 without nvcc, such a GPU or a build that succeeds, `serves` is False (the reason is logged) and the SwiGLU computes

@@ -256,9 +256,9 @@ __global__ void __launch_bounds__(384, 1)
 // itself (cp.async, its own chunks alone, so no thread waits for another) AHEAD stages before, and its results go
 // out as 16-byte stores. At TRM's shape on an H200 it took 325-330 us a call against 350-355 with 3 stages and 4
 // (or 2) stages ahead, 580-615 with 2 and 4 (2026-11-26, build/gd/variants.py, medians of 30 over three inputs, the
-// same bits); Triton's kernel 406-463 on another H200 (build/gd/down_probe.py). The epilogue's instructions bound it
-// (Nsight Compute, 3 stages: DRAM 49% busy, 0.43 instructions issued a cycle per scheduler), so g * up and
-// silu(gate) * g are bf16 pair products.
+// same bits); 348-350 on another H200 against 474-494 for Triton's (build/gd/down_probe.py). Its epilogue's
+// instructions bound it (Nsight Compute, 3 stages: DRAM 49% busy, 0.43 instructions issued a cycle per scheduler),
+// so g * up and silu(gate) * g are bf16 pair products.
 
 constexpr int DB_STAGES = 4;
 constexpr int AHEAD = 2;  // stages between an eighth's copies and its use; divides KB
