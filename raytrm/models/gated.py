@@ -144,27 +144,31 @@ def _kernel_order(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(-1, 4, 4, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
 
 
+def _run(entry: str, what: str, tensors: tuple[torch.Tensor | None, ...], rows: int, inner: int) -> None:
+    """Launch the library's `entry` on the current stream of the first tensor's device, over the tensors' data (None
+    as a null pointer), rows and inner; `what` names the kernel where the launch fails."""
+    assert _lib is not None
+    device = next(t for t in tensors if t is not None).device
+    status = getattr(_lib, entry)(
+        *(t.data_ptr() if t is not None else None for t in tensors),
+        rows,
+        inner,
+        INNER,
+        _multiprocessors(device),
+        torch.cuda.current_stream(device).cuda_stream,
+    )
+    if status != 0:
+        raise RuntimeError(f"the {what} kernel failed to launch: CUDA error {status}")
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, keep_gate_up: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The kernel over x [rows, 512] and w [2 N, 512] in the kernel's order (_kernel_order): (h, gate_up or None),
     fresh."""
-    assert _lib is not None
     rows, inner = x.shape[0], w.shape[0] // 2
     x, w = _aligned(x.contiguous()), _aligned(w.contiguous())  # TMA copies start on 16 bytes
     h = x.new_empty(rows, inner)
     gate_up = x.new_empty(rows, 2 * inner) if keep_gate_up else None
-    status = _lib.raytrm_gated_swiglu(
-        x.data_ptr(),
-        w.data_ptr(),
-        h.data_ptr(),
-        gate_up.data_ptr() if gate_up is not None else None,
-        rows,
-        inner,
-        INNER,
-        _multiprocessors(x.device),
-        torch.cuda.current_stream(x.device).cuda_stream,
-    )
-    if status != 0:
-        raise RuntimeError(f"the gated SwiGLU kernel failed to launch: CUDA error {status}")
+    _run("raytrm_gated_swiglu", "gated SwiGLU", (x, w, h, gate_up), rows, inner)
     return h, gate_up
 
 
@@ -199,25 +203,18 @@ def down_backward(grad: torch.Tensor, gate_up: torch.Tensor, w_ordered: torch.Te
     (silu(gate) * up) @ w_down^T: the gate's gradient grad @ w_down, rounded to bf16, goes through the gate's
     backward in the product's epilogue (csrc/gated_swiglu.cu), with the bits of kernels.swiglu_down_backward's
     Triton kernel. w_ordered is down_order(w_down); where serves_down_backward(gate_up, w_down)."""
-    assert _lib is not None
     inner = w_ordered.shape[0]
     rows = gate_up.numel() // (2 * inner)
     # TMA and cp.async copies start on 16 bytes
     grad, gate_up, w_ordered = (_aligned(t.contiguous()) for t in (grad, gate_up, w_ordered))
     grad_gate_up = torch.empty_like(gate_up)
-    status = _lib.raytrm_swiglu_down_backward(
-        grad.data_ptr(),
-        w_ordered.data_ptr(),
-        gate_up.data_ptr(),
-        grad_gate_up.data_ptr(),
+    _run(
+        "raytrm_swiglu_down_backward",
+        "SwiGLU's down-projection backward",
+        (grad, w_ordered, gate_up, grad_gate_up),
         rows,
         inner,
-        INNER,
-        _multiprocessors(gate_up.device),
-        torch.cuda.current_stream(gate_up.device).cuda_stream,
     )
-    if status != 0:
-        raise RuntimeError(f"the SwiGLU's down-projection backward kernel failed to launch: CUDA error {status}")
     return grad_gate_up
 
 

@@ -118,6 +118,72 @@ __device__ __forceinline__ void wgmma_64x256x16(float (&d)[128], uint64_t a, uin
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
+// Both kernels' CTAs: a producer thread (warp group 0) copies each tile's stages, x's (or grad's) 128 rows and w's 256
+// rows, into a ring of N stages; two warp groups run the products. `full` says a stage landed, `empty` that both
+// warp groups' products have read it.
+template <int N>
+__device__ __forceinline__ void init_ring(uint64_t (&full)[N], uint64_t (&empty)[N]) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < N; ++i) {
+      barrier_init(&full[i], 1);
+      barrier_init(&empty[i], 2);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
+// The producer's loop: tile t takes a's row block t / column_tiles and w's rows from (t % column_tiles) * columns,
+// 128 of them, and 128 more from `second` rows after those. Consecutive CTAs take consecutive tiles, a row block's
+// column tiles together: a is read from memory once.
+template <int N>
+__device__ __forceinline__ void produce(__nv_bfloat16 (&a)[N][A_ELEMS], __nv_bfloat16 (&b)[N][B_ELEMS],
+                                        uint64_t (&full)[N], uint64_t (&empty)[N], const CUtensorMap* a_map,
+                                        const CUtensorMap* w_map, int tiles, int column_tiles, int columns, int second) {
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int row = t / column_tiles * BM, column = t % column_tiles * columns;
+    for (int k = 0; k < KB; ++k) {
+      barrier_wait(&empty[stage], phase ^ 1);
+      barrier_expect_bytes(&full[stage], STAGE_BYTES);
+      copy_tile(a[stage], a_map, &full[stage], k * BK, row);
+      copy_tile(b[stage], w_map, &full[stage], k * BK, column);
+      copy_tile(b[stage] + BNH * BK, w_map, &full[stage], k * BK, column + second);
+      if (++stage == N) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+// A consumer warp group's products for one tile: its 64 rows (half) of a's tile by w's 256 rows into d, running
+// step(k) (the previous tile's epilogue, an eighth) once each stage's products are issued.
+template <int N, class Step>
+__device__ __forceinline__ void products(__nv_bfloat16 (&a)[N][A_ELEMS], __nv_bfloat16 (&b)[N][B_ELEMS],
+                                         uint64_t (&full)[N], uint64_t (&empty)[N], int half, int& stage,
+                                         uint32_t& phase, float (&d)[128], Step&& step) {
+  int last = 0;
+#pragma unroll
+  for (int k = 0; k < KB; ++k) {
+    barrier_wait(&full[stage], phase);
+    wgmma_fence();
+    const uint64_t da = descriptor(a[stage] + half * 64 * BK), db = descriptor(b[stage]);
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) wgmma_64x256x16(d, da + 2 * kk, db + 2 * kk, (k | kk) != 0);
+    wgmma_commit();
+    step(k);
+    if (k > 0) {
+      wgmma_wait<1>();
+      if (threadIdx.x % 128 == 0) barrier_arrive(&empty[last]);
+    }
+    last = stage;
+    if (++stage == N) stage = 0, phase ^= 1;
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");  // no read of d before the wait
+  if (threadIdx.x % 128 == 0) barrier_arrive(&empty[last]);
+}
+
 // sigmoid as _triton_kernels._sigmoid: the hardware's approximate 2^x and 1/x.
 __device__ __forceinline__ float sigmoid(float v) {
   float e, r;
@@ -147,36 +213,15 @@ __global__ void __launch_bounds__(384, 1)
   Shared& s = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
   const int group = threadIdx.x / 128, tid = threadIdx.x % 128;
   const int column_tiles = N / BNH, tiles = ((M + BM - 1) / BM) * column_tiles;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < STAGES; ++i) {
-      barrier_init(&s.full[i], 1);
-      barrier_init(&s.empty[i], 2);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  // Consecutive CTAs take consecutive tiles, a row block's column tiles together: x is read from memory once.
-  if (group == 0) {
+  init_ring(s.full, s.empty);
+  if (group == 0) {  // w's rows: the gate's 128 of the tile, then the up rows' (N rows on)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (tid != 0) return;
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const int row = t / column_tiles * BM, column = t % column_tiles * BNH;
-      for (int k = 0; k < KB; ++k) {
-        barrier_wait(&s.empty[stage], phase ^ 1);
-        barrier_expect_bytes(&s.full[stage], STAGE_BYTES);
-        copy_tile(s.a[stage], &x_map, &s.full[stage], k * BK, row);
-        copy_tile(s.b[stage], &w_map, &s.full[stage], k * BK, column);
-        copy_tile(s.b[stage] + BNH * BK, &w_map, &s.full[stage], k * BK, N + column);
-        if (++stage == STAGES) stage = 0, phase ^= 1;
-      }
-    }
+    if (tid == 0) produce(s.a, s.b, s.full, s.empty, &x_map, &w_map, tiles, column_tiles, BNH, N);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int half = group - 1, warp = tid / 32, lane = tid % 32;
-  int stage = 0, last = 0;
+  int stage = 0;
   uint32_t phase = 0;
   float d[128];
   // The previous tile's products as bf16 pairs, per 8-column block i: [4 i] gate at rows r and [4 i + 1] at r + 8,
@@ -206,26 +251,9 @@ __global__ void __launch_bounds__(384, 1)
     }
   };
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-#pragma unroll
-    for (int k = 0; k < KB; ++k) {
-      barrier_wait(&s.full[stage], phase);
-      wgmma_fence();
-      const uint64_t a = descriptor(s.a[stage] + half * 64 * BK), b = descriptor(s.b[stage]);
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) wgmma_64x256x16(d, a + 2 * kk, b + 2 * kk, (k | kk) != 0);
-      wgmma_commit();
+    products(s.a, s.b, s.full, s.empty, half, stage, phase, d, [&](int k) {
       if (kept_row >= 0) finish(k / 2, k % 2);  // an eighth of the previous tile while these products run
-      if (k > 0) {
-        wgmma_wait<1>();
-        if (tid == 0) barrier_arrive(&s.empty[last]);
-      }
-      last = stage;
-      if (++stage == STAGES) stage = 0, phase ^= 1;
-    }
-    wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");  // no read of d before the wait
-    if (tid == 0) barrier_arrive(&s.empty[last]);
+    });
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       kept[4 * i] = pack(d[4 * i], d[4 * i + 1]);
@@ -262,7 +290,6 @@ __global__ void __launch_bounds__(384, 1)
 
 constexpr int DB_STAGES = 4;
 constexpr int AHEAD = 2;  // stages between an eighth's copies and its use; divides KB
-constexpr uint32_t DB_STAGE_BYTES = (A_ELEMS + B_ELEMS) * 2;
 
 struct __align__(1024) DownShared {
   __nv_bfloat16 a[DB_STAGES][A_ELEMS];
@@ -308,38 +335,17 @@ __global__ void __launch_bounds__(384, 1)
   DownShared& s = *reinterpret_cast<DownShared*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
   const int group = threadIdx.x / 128, tid = threadIdx.x % 128;
   const int column_tiles = F / (2 * BNH), tiles = ((M + BM - 1) / BM) * column_tiles;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < DB_STAGES; ++i) {
-      barrier_init(&s.full[i], 1);
-      barrier_init(&s.empty[i], 2);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  // Consecutive CTAs take consecutive tiles, a row block's column tiles together: grad is read from memory once.
-  if (group == 0) {
+  init_ring(s.full, s.empty);
+  if (group == 0) {  // w's rows: 256 consecutive ones a tile
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (tid != 0) return;
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const int row = t / column_tiles * BM, column = t % column_tiles * 2 * BNH;
-      for (int k = 0; k < KB; ++k) {
-        barrier_wait(&s.empty[stage], phase ^ 1);
-        barrier_expect_bytes(&s.full[stage], DB_STAGE_BYTES);
-        copy_tile(s.a[stage], &grad_map, &s.full[stage], k * BK, row);
-        copy_tile(s.b[stage], &w_map, &s.full[stage], k * BK, column);
-        copy_tile(s.b[stage] + BNH * BK, &w_map, &s.full[stage], k * BK, column + BNH);
-        if (++stage == DB_STAGES) stage = 0, phase ^= 1;
-      }
-    }
+    if (tid == 0) produce(s.a, s.b, s.full, s.empty, &grad_map, &w_map, tiles, column_tiles, 2 * BNH, BNH);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int half = group - 1, warp = tid / 32, lane = tid % 32, q = lane % 4, me = half * 128 + tid;
   const int first_row = half * 64 + warp * 16 + lane / 4;  // the thread's first row in a tile
   const size_t stride = 2 * size_t(F);
-  int stage = 0, last = 0;
+  int stage = 0;
   uint32_t phase = 0;
   float d[128];
   // The previous tile's gate gradients as bf16 pairs: [2 i] of 8-column block i at the thread's row r, [2 i + 1] at
@@ -403,26 +409,7 @@ __global__ void __launch_bounds__(384, 1)
   };
   for (int k = 0; k < AHEAD; ++k) copy_async_commit();
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-#pragma unroll
-    for (int k = 0; k < KB; ++k) {
-      barrier_wait(&s.full[stage], phase);
-      wgmma_fence();
-      const uint64_t a = descriptor(s.a[stage] + half * 64 * BK), b = descriptor(s.b[stage]);
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) wgmma_64x256x16(d, a + 2 * kk, b + 2 * kk, (k | kk) != 0);
-      wgmma_commit();
-      step(k, t);
-      if (k > 0) {
-        wgmma_wait<1>();
-        if (tid == 0) barrier_arrive(&s.empty[last]);
-      }
-      last = stage;
-      if (++stage == DB_STAGES) stage = 0, phase ^= 1;
-    }
-    wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");  // no read of d before the wait
-    if (tid == 0) barrier_arrive(&s.empty[last]);
+    products(s.a, s.b, s.full, s.empty, half, stage, phase, d, [&](int k) { step(k, t); });
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       kept[2 * i] = pack(d[4 * i], d[4 * i + 1]);

@@ -1,5 +1,7 @@
 """The gated SwiGLU product (raytrm.models.gated): its guards everywhere, its bits on a Hopper GPU."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -36,6 +38,33 @@ def test_the_down_projections_backward_takes_w_down_transposed_in_the_kernel_ord
     assert torch.equal(ordered, gated._kernel_order(w_down.t().contiguous()))
     assert torch.equal(gated._kernel_order(ordered).t(), w_down)
     assert not gated.serves_down_backward(torch.zeros(4, 512, dtype=torch.bfloat16), w_down.bfloat16())
+
+
+def test_a_launch_hands_the_library_the_pointers_shapes_and_stream_and_names_a_kernel_that_fails(monkeypatch):
+    calls = {}
+
+    class Library:  # the two entry points' C signatures: four pointers, rows, inner, 512, multiprocessors, stream
+        def raytrm_swiglu_down_backward(self, *args):
+            calls["down"] = args
+            return 0
+
+        def raytrm_gated_swiglu(self, *args):
+            calls["gated"] = args
+            return 719
+
+    monkeypatch.setattr(gated, "_lib", Library())
+    monkeypatch.setattr(gated, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(gated.torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=7))
+    grad, gate_up = torch.zeros(5, 512, dtype=torch.bfloat16), torch.zeros(5, 512, dtype=torch.bfloat16)
+    w_ordered = torch.zeros(256, 512, dtype=torch.bfloat16)
+    out = gated.down_backward(grad, gate_up, w_ordered)
+    assert out.shape == gate_up.shape
+    pointers = (grad.data_ptr(), w_ordered.data_ptr(), gate_up.data_ptr(), out.data_ptr())
+    assert calls["down"] == (*pointers, 5, 256, 512, 132, 7)
+    x, w = torch.zeros(3, 512, dtype=torch.bfloat16), torch.zeros(512, 512, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="the gated SwiGLU kernel failed to launch: CUDA error 719"):
+        gated._launch(x, w, keep_gate_up=False)
+    assert calls["gated"][:2] == (x.data_ptr(), w.data_ptr()) and calls["gated"][3:] == (None, 3, 256, 512, 132, 7)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the build's reason without a GPU")
