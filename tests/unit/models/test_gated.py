@@ -67,6 +67,25 @@ def test_a_launch_hands_the_library_the_pointers_shapes_and_stream_and_names_a_k
     assert calls["gated"][:2] == (x.data_ptr(), w.data_ptr()) and calls["gated"][3:] == (None, 3, 256, 512, 132, 7)
 
 
+@pytest.mark.skipif(not kernels.HAVE_TRITON, reason="the down projection's operators need Triton")
+def test_a_compiled_backward_hands_the_down_kernel_w_down_in_its_order_where_the_kernel_serves(monkeypatch):
+    assert kernels.register()
+    gate_up = torch.randn(64, 512, dtype=torch.bfloat16, requires_grad=True)
+    h, w = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(512, 256, dtype=torch.bfloat16, requires_grad=True)
+    orders = []
+
+    def down_backward(grad, gate_up, w_ordered):  # the CUDA kernel's stand-in on this CPU
+        orders.append(w_ordered)
+        return torch.zeros_like(gate_up)
+
+    monkeypatch.setattr(gated, "serves_down_backward", lambda gate_up, w_down: True)
+    monkeypatch.setattr(gated, "down_backward", down_backward)
+    loss = torch.compile(lambda *args: kernels.swiglu_down_after_gate(*args).float().sum(), backend="aot_eager")
+    loss(gate_up, h, w).backward()
+    assert len(orders) == 1 and torch.equal(orders[0], gated.down_order(w.detach()))
+    assert torch.equal(gate_up.grad, torch.zeros_like(gate_up))  # the stand-in's gradient reached gate_up
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the build's reason without a GPU")
 def test_without_a_gpu_nothing_is_built_and_the_reason_is_kept():
     assert gated._build() == (None, "no CUDA device")
