@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(384, 1)
 // of a 32 are 8 consecutive columns of F. While the tensor cores run a tile's products, each thread finishes the
 // previous tile an eighth a stage: the gate and up it needs come from shared memory, where the thread copied them
 // itself (cp.async, its own chunks alone, so no thread waits for another) AHEAD stages before, and its results go
-// out as 16-byte stores. At TRM's shape on an H200 it took 325-330 us a call against 350-355 with 3 stages and 4
+// out as 16-byte stores. At TRM's shape on an H200 it took 325-330 us a call against 350-356 with 3 stages and 4
 // (or 2) stages ahead, 580-615 with 2 and 4 (2026-11-26, build/gd/variants.py, medians of 30 over three inputs, the
 // same bits); 348-350 on another H200 against 474-494 for Triton's (build/gd/down_probe.py). Its epilogue's
 // instructions bound it (Nsight Compute, 3 stages: DRAM 49% busy, 0.43 instructions issued a cycle per scheduler),
@@ -373,7 +373,8 @@ __global__ void __launch_bounds__(384, 1)
     }
     copy_async_commit();
   };
-  // The kept tile's stage k: its gate and up, copied AHEAD stages ago, then the next groups' in flight.
+  // The kept tile's stage k: its gate and up (copied AHEAD stages ago; the groups since may be in flight), then its
+  // two gradients stored.
   auto finish = [&](int k) {
     copy_async_wait<AHEAD - 1>();
     int kept_row;
