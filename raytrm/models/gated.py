@@ -116,21 +116,29 @@ def _hopper(device: torch.device) -> bool:
     return _capability(device) == HOPPER
 
 
+def _takes(t: torch.Tensor) -> bool:
+    """Whether the kernels take t as their main input: bf16, non-empty and contiguous on a Hopper GPU, with the
+    library built (`register`) and ENABLED."""
+    return (
+        ENABLED
+        and _lib is not None
+        and t.is_cuda
+        and t.dtype == torch.bfloat16
+        and t.numel() > 0
+        and t.is_contiguous()
+        and _hopper(t.device)
+    )
+
+
 def serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether gated_swiglu takes x [..., 512] and the weight w [2 N, 512] (the gate's rows first) cast to x's
     dtype: x bf16 and contiguous on a Hopper GPU, N a multiple of 128, the kernel built (`register`), ENABLED."""
     return (
-        ENABLED
-        and _lib is not None
-        and x.is_cuda
-        and x.dtype == torch.bfloat16
-        and x.shape[-1] == INNER
+        x.shape[-1] == INNER
         and w.dim() == 2
         and w.shape[1] == INNER
         and w.shape[0] % (2 * COLUMN_TILE) == 0
-        and x.numel() > 0
-        and x.is_contiguous()
-        and _hopper(x.device)
+        and _takes(x)
     )
 
 
@@ -176,18 +184,13 @@ def serves_down_backward(gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
     """Whether down_backward takes gate_up [..., 2 F] and w_down [512, F]: both bf16 on a Hopper GPU, gate_up
     contiguous, F a multiple of 256, the kernel built (`register`), ENABLED and DOWN_BACKWARD."""
     return (
-        ENABLED
-        and DOWN_BACKWARD
-        and _lib is not None
-        and gate_up.is_cuda
-        and gate_up.dtype == w_down.dtype == torch.bfloat16
+        DOWN_BACKWARD
+        and w_down.dtype == torch.bfloat16
         and w_down.dim() == 2
         and w_down.shape[0] == INNER
         and w_down.shape[1] % (2 * COLUMN_TILE) == 0
         and gate_up.shape[-1] == 2 * w_down.shape[1]
-        and gate_up.numel() > 0
-        and gate_up.is_contiguous()
-        and _hopper(gate_up.device)
+        and _takes(gate_up)
     )
 
 
