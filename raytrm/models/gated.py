@@ -35,6 +35,8 @@ from raytrm.models.kernels import _aligned, _capability, _multiprocessors
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "gated_swiglu.cu"
+#: What the source includes (the Hopper kernels' shared parts).
+HEADERS = (SOURCE.with_name("hopper.cuh"),)
 #: The kernel's fixed shapes: the inner dimension (TRM's hidden size 512) and its tiles' columns.
 INNER = 512
 COLUMN_TILE = 128
@@ -66,7 +68,8 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     if nvcc is None:
         return None, "no nvcc (set CUDA_HOME or put nvcc on PATH)"
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
+    text = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
+    digest = hashlib.sha256(text + version.encode() + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"gated_swiglu-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
