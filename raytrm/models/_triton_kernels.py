@@ -574,41 +574,54 @@ def _exponent(scores, offset, scale):
 
 
 @triton.jit
+def _halves(qk, batch, column, c, s, BLOCK_L: tl.constexpr, HALF: tl.constexpr, ROTATED: tl.constexpr,
+            INTERPRETED: tl.constexpr):  # fmt: skip
+    """The halves of q's or k's head at column (dot operands): rotated by position with the tables' halves c and s,
+    or as they are where they come ROTATED (the projection rotated them)."""
+    x1, x2 = _tile(qk, batch, column, BLOCK_L, HALF), _tile(qk, batch, column + HALF, BLOCK_L, HALF)
+    if ROTATED:
+        return _operand(x1, INTERPRETED), _operand(x2, INTERPRETED)
+    return _rotated(x1, x2, c, s, INTERPRETED)
+
+
+@triton.jit
 def _attention_head(
-    head, qk, v_desc, c, s, H, BLOCK_L: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
+    head, qk, v_desc, c, s, H, BLOCK_L: tl.constexpr, HALF: tl.constexpr, ROTATED: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """A head of qkv [batch, L, 3 * H * 2 * HALF] (its index batch * H + head), on chip, through descriptors of
     blocks [1, BLOCK_L, HALF] (qk) and [1, BLOCK_L, 2 * HALF] (v_desc): its batch row and first column, q's and k's
-    halves rotated by position with the tables' halves c and s (dot operands), and v."""
+    halves rotated by position (_halves), and v."""
     batch = head // H
     column = (head % H) * (2 * HALF)
     width = H * 2 * HALF
-    q1, q2 = _rotated(
-        _tile(qk, batch, column, BLOCK_L, HALF), _tile(qk, batch, column + HALF, BLOCK_L, HALF), c, s, INTERPRETED
-    )
-    k = width + column
-    k1, k2 = _rotated(_tile(qk, batch, k, BLOCK_L, HALF), _tile(qk, batch, k + HALF, BLOCK_L, HALF), c, s, INTERPRETED)
+    q1, q2 = _halves(qk, batch, column, c, s, BLOCK_L, HALF, ROTATED, INTERPRETED)
+    k1, k2 = _halves(qk, batch, width + column, c, s, BLOCK_L, HALF, ROTATED, INTERPRETED)
     v = _tile(v_desc, batch, 2 * width + column, BLOCK_L, 2 * HALF)
     return batch, column, q1, q2, k1, k2, v
 
 
-@triton.autotune(configs=_launches(ATTENTION_FORWARD), key=["heads", "L", "H"])
+@triton.autotune(configs=_launches(ATTENTION_FORWARD), key=["heads", "L", "H", "ROTATED"])
 @triton.jit
 def rope_attention_kernel(
     qk, v_desc, out_desc, cos_ptr, sin_ptr, lse_ptr, heads, L, H, table_stride, scale, BLOCK_L: tl.constexpr,
-    HALF: tl.constexpr, STAGES: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr, INTERPRETED: tl.constexpr,
+    HALF: tl.constexpr, STAGES: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr, ROTATED: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """out [batch, L, H * 2 * HALF] = softmax(q k^T * scale) v, a head at a time (heads = batch * H of them, the
     program's every num_programs-th, the loads of the next STAGES - 1 in flight), the whole sequence (L <= BLOCK_L)
     on chip, q and k rotated by position on the way in; lse [batch * H, BLOCK_L] the rows' log2-sum-exp2 of the
     scores in log2 units, for the backward. The probabilities are rounded to qkv's dtype for the second product (as
     flash attention's kernels do), and their sum divides its fp32 result. qk and v_desc are qkv's descriptors (see
-    _attention_head), out_desc out's, of block [1, BLOCK_L, 2 * HALF]. PROGRAMS_PER_SM sets the launch's grid
-    (kernels.attention_launch), not the program."""
+    _attention_head), out_desc out's, of block [1, BLOCK_L, 2 * HALF]. ROTATED: q and k come rotated (the projection
+    rotated them: raytrm.models.rotary_qkv). PROGRAMS_PER_SM sets the launch's grid (kernels.attention_launch), not
+    the program."""
     c, s = _tables(cos_ptr, sin_ptr, L, table_stride, BLOCK_L, HALF)
     positions = tl.arange(0, BLOCK_L)
     for head in tl.range(tl.program_id(0), heads, tl.num_programs(0), num_stages=STAGES):
-        batch, column, q1, q2, k1, k2, v = _attention_head(head, qk, v_desc, c, s, H, BLOCK_L, HALF, INTERPRETED)
+        batch, column, q1, q2, k1, k2, v = _attention_head(
+            head, qk, v_desc, c, s, H, BLOCK_L, HALF, ROTATED, INTERPRETED
+        )
         dtype = v.dtype
         scores = tl.dot(q2, tl.trans(k2), tl.dot(q1, tl.trans(k1)))
         scores = tl.where((positions < L)[None, :], scores, float("-inf"))  # padded keys
@@ -621,23 +634,26 @@ def rope_attention_kernel(
         tl.store(lse_ptr + head * BLOCK_L + positions, top + tl.log2(total))
 
 
-@triton.autotune(configs=_launches(ATTENTION_BACKWARD), key=["heads", "L", "H"])
+@triton.autotune(configs=_launches(ATTENTION_BACKWARD), key=["heads", "L", "H", "ROTATED"])
 @triton.jit
 def rope_attention_backward_kernel(
     qk, v_desc, out_desc, grad_desc, grad_qk, grad_v_desc, cos_ptr, sin_ptr, lse_ptr, heads, L, H, table_stride,
     scale, BLOCK_L: tl.constexpr, HALF: tl.constexpr, STAGES: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    ROTATED: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """grad_qkv [batch, L, 3 * H * 2 * HALF] from grad, the gradient of rope_attention_kernel's out, a head at a
     time as there: the probabilities recomputed from lse, the gradients of v, of the scores and of the rotated q and
     k in fp32 (products of operands rounded to qkv's dtype), q's and k's rotated back (by -angle) and rounded
     once. Descriptors as rope_attention_kernel's: grad_qk and grad_v_desc are grad_qkv's as qk and v_desc are qkv's,
-    grad_desc grad's as out_desc is out's."""
+    grad_desc grad's as out_desc is out's. ROTATED: q and k come rotated, as the forward took them; their gradients
+    are still rotated back, so grad_qkv is the unrotated projection's gradient."""
     c, s = _tables(cos_ptr, sin_ptr, L, table_stride, BLOCK_L, HALF)
     positions = tl.arange(0, BLOCK_L)
     width = H * 2 * HALF
     for head in tl.range(tl.program_id(0), heads, tl.num_programs(0), num_stages=STAGES):
-        batch, column, q1, q2, k1, k2, v = _attention_head(head, qk, v_desc, c, s, H, BLOCK_L, HALF, INTERPRETED)
+        batch, column, q1, q2, k1, k2, v = _attention_head(
+            head, qk, v_desc, c, s, H, BLOCK_L, HALF, ROTATED, INTERPRETED
+        )
         dtype = v.dtype
         # Key-major: the scores transposed, [keys, queries] (padded keys at -inf), so that the transposed
         # probabilities and score gradients, the first operands of v's and k's gradients, are computed in place

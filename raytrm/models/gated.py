@@ -10,6 +10,7 @@ the down projection's backward computes (kernels.swiglu_down_after_gate): on the
 (`down_backward`), the same CTAs and tiles with the gate's backward in the epilogue, to the bits of raytrm's Triton
 kernel, 348-350 us a call at TRM's shape on an H200 against the Triton kernel's 474-494 (README, Performance).
 
+The library holds a third kernel, the attention's qkv projection with RoPE in its epilogue (raytrm.models.rotary_qkv).
 It is built with nvcc when a model is built on a machine with a Hopper GPU, and cached under constants.cache_dir();
 without nvcc, such a GPU or a build that succeeds, `serves` is False (the reason is logged) and the SwiGLU computes
 the product and the gate apart, as before.
@@ -35,7 +36,9 @@ from raytrm.models.kernels import _aligned, _capability, _multiprocessors
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "gated_swiglu.cu"
-#: What the source includes (the Hopper kernels' shared parts).
+#: The library's sources, this module's kernels and the attention's projection with RoPE (raytrm.models.rotary_qkv),
+#: and what they include (the Hopper kernels' shared parts).
+SOURCES = (SOURCE, SOURCE.with_name("rotary_qkv.cu"))
 HEADERS = (SOURCE.with_name("hopper.cuh"),)
 #: The kernel's fixed shapes: the inner dimension (TRM's hidden size 512) and its tiles' columns.
 INNER = 512
@@ -68,7 +71,7 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     if nvcc is None:
         return None, "no nvcc (set CUDA_HOME or put nvcc on PATH)"
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    text = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
+    text = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(text + version.encode() + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"gated_swiglu-{digest}.so"
     if not target.exists():
@@ -76,7 +79,7 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             result = subprocess.run(
-                [nvcc, *NVCC_FLAGS, "-o", str(built), str(SOURCE), "-lcuda"], capture_output=True, text=True
+                [nvcc, *NVCC_FLAGS, "-o", str(built), *map(str, SOURCES), "-lcuda"], capture_output=True, text=True
             )
             if result.returncode != 0:
                 return None, f"nvcc failed: {result.stderr.strip()[-500:]}"
@@ -86,6 +89,8 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     for entry in (lib.raytrm_gated_swiglu, lib.raytrm_swiglu_down_backward):
         entry.argtypes = [p, p, p, p, i, i, i, i, p]
         entry.restype = i
+    lib.raytrm_rotary_qkv.argtypes = [p, p, p, p, p, i, i, i, i, i, i, p]
+    lib.raytrm_rotary_qkv.restype = i
     return lib, None
 
 
@@ -155,9 +160,10 @@ def _kernel_order(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(-1, 4, 4, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
 
 
-def _run(entry: str, what: str, tensors: tuple[torch.Tensor | None, ...], rows: int, inner: int) -> None:
+def _run(entry: str, what: str, tensors: tuple[torch.Tensor | None, ...], rows: int, inner: int, *extra: int) -> None:
     """Launch the library's `entry` on the current stream of the first tensor's device, over the tensors' data (None
-    as a null pointer), rows and inner; `what` names the kernel where the launch fails."""
+    as a null pointer), rows, inner, the inner dimension and `extra`; `what` names the kernel where the launch
+    fails."""
     assert _lib is not None
     device = next(t for t in tensors if t is not None).device
     status = getattr(_lib, entry)(
@@ -165,6 +171,7 @@ def _run(entry: str, what: str, tensors: tuple[torch.Tensor | None, ...], rows: 
         rows,
         inner,
         INNER,
+        *extra,
         _multiprocessors(device),
         torch.cuda.current_stream(device).cuda_stream,
     )

@@ -578,13 +578,13 @@ def register() -> bool:
 
     def attention_launch(
         kernel: object, heads: int, tiles: list[tuple[torch.Tensor, str]], cos: torch.Tensor, sin: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor, rotated: bool,
     ) -> None:  # fmt: skip
-        """Run an attention kernel over qkv [B, L, 3 * heads * head_dim] (tiles' first tensor), a head at a time in
-        the launch its autotuner picked (programs per multiprocessor, warps, stages; _triton_kernels, beside
-        ATTENTION_FORWARD), with SDPA's scale. tiles: the [B, L, width] tensors it reads and writes, in its
-        arguments' order, each through a descriptor of a head's "half" or "head" of columns over one batch row's
-        positions."""
+        """Run an attention kernel over qkv [B, L, 3 * heads * head_dim] (tiles' first tensor; q and k in it rotated
+        already where `rotated`), a head at a time in the launch its autotuner picked (programs per multiprocessor,
+        warps, stages; _triton_kernels, beside ATTENTION_FORWARD), with SDPA's scale. tiles: the [B, L, width]
+        tensors it reads and writes, in its arguments' order, each through a descriptor of a head's "half" or "head"
+        of columns over one batch row's positions."""
         qkv = tiles[0][0]
         B, L, width = qkv.shape
         head_dim = width // (3 * heads)
@@ -595,7 +595,7 @@ def register() -> bool:
         grid = lambda meta: (min(B * heads, meta["PROGRAMS_PER_SM"] * multiprocessors),)  # noqa: E731
         kernel[grid](
             *descriptors, cos, sin, lse, B * heads, L, heads, cos.stride(0), head_dim**-0.5, BLOCK_L=block_l,
-            HALF=head_dim // 2, INTERPRETED=_INTERPRETED,
+            HALF=head_dim // 2, ROTATED=rotated, INTERPRETED=_INTERPRETED,
         )  # fmt: skip
 
     def attention_outputs(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -608,27 +608,29 @@ def register() -> bool:
     # ran 5.5 times slower so (1.17 ms against 0.21 for the forward at TRM-attention's Sudoku shape on an H200).
     @torch.library.custom_op("raytrm::rope_attention", mutates_args=())
     def rope_attention_op(
-        qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
+        qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, rotated: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = attention_outputs(qkv, heads)
         qkv = _aligned(qkv)
         tiles = [(qkv, "half"), (qkv, "head"), (out, "head")]
-        attention_launch(rope_attention_kernel, heads, tiles, cos, sin, lse)
+        attention_launch(rope_attention_kernel, heads, tiles, cos, sin, lse, rotated)
         return out, lse
 
     @rope_attention_op.register_fake
-    def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _(
+        qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, rotated: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return attention_outputs(qkv, heads)
 
     @torch.library.custom_op("raytrm::rope_attention_backward", mutates_args=())
     def rope_attention_backward_op(
         qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-        grad: torch.Tensor, heads: int,
+        grad: torch.Tensor, heads: int, rotated: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         grad_qkv = torch.empty_like(qkv)
         qkv, out, grad = _aligned(qkv), _aligned(out), _aligned(grad)
         tiles = [(qkv, "half"), (qkv, "head"), (out, "head"), (grad, "head"), (grad_qkv, "half"), (grad_qkv, "head")]
-        attention_launch(rope_attention_backward_kernel, heads, tiles, cos, sin, lse)
+        attention_launch(rope_attention_backward_kernel, heads, tiles, cos, sin, lse, rotated)
         return grad_qkv
 
     @rope_attention_backward_op.register_fake
@@ -650,16 +652,22 @@ def register() -> bool:
         return attention_flops(qkv_shape, 5)
 
     def attention_setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
-        qkv, cos, sin, heads = inputs
+        qkv, cos, sin, heads, rotated = inputs
         out, lse = output
         ctx.save_for_backward(qkv, cos, sin, out, lse)
-        ctx.heads = heads
+        ctx.heads, ctx.rotated = heads, rotated
         ctx.mark_non_differentiable(lse)
 
     def attention_backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor, _: object) -> tuple:
+        if ctx.rotated:
+            # Its backward kernel gives the gradient of the projection before the rotation, not of its input.
+            raise RuntimeError(
+                "rope_attention over a rotated projection has no gradient of its own: use "
+                "raytrm.models.rotary_qkv.attention, which differentiates the projection and it as one"
+            )
         qkv, cos, sin, out, lse = ctx.saved_tensors
         grad_qkv = torch.ops.raytrm.rope_attention_backward(qkv, cos, sin, out, lse, grad.contiguous(), ctx.heads)
-        return grad_qkv, None, None, None
+        return grad_qkv, None, None, None, None
 
     torch.library.register_autograd("raytrm::rope_attention", attention_backward, setup_context=attention_setup)
 
@@ -730,16 +738,21 @@ def rope_qkv(
     return torch.ops.raytrm.rope_qkv(qkv, cos, sin, heads)
 
 
-def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+def rope_attention(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, rotated: bool = False
+) -> torch.Tensor:
     """Self-attention over qkv [B, L, 3 * heads * head_dim] (q, k and v side by side, as the fused projection
     writes them) with q and k rotated by position: [B, L, heads * head_dim], the heads side by side, as the output
     projection reads them; differentiable. cos and sin are rotate-half tables [positions >= L, head_dim]
     (RotaryEmbedding's); the rotation rounds as rope_qkv's, the attention as flash attention's kernels do.
 
+    With `rotated`, q and k in qkv come rotated (raytrm.models.rotary_qkv's projection) and are taken as they are;
+    not differentiable so (rotary_qkv.attention is).
+
     Only where fused_attention_available(qkv, head_dim, causal=False).
     """
     _check_tables(qkv, cos, sin)
-    return torch.ops.raytrm.rope_attention(qkv, cos, sin, heads)[0]
+    return torch.ops.raytrm.rope_attention(qkv, cos, sin, heads, rotated)[0]
 
 
 def mix_positions_norm(cols: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raytrm.models import cublaslt, gated, kernels, onednn
+from raytrm.models import cublaslt, gated, kernels, onednn, rotary_qkv
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -463,11 +463,20 @@ class Attention(nn.Module):
         self.head_dim = hidden_size // num_heads
         self.causal = causal
         kernels.register()  # the RoPE operator, where Triton is installed
+        gated.register()  # the projection with RoPE in its epilogue (rotary_qkv), where a Hopper GPU and nvcc are
         self.qkv_proj = Linear(hidden_size, 3 * hidden_size)
         self.o_proj = Linear(hidden_size, hidden_size)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         H, L = self.num_heads, x.shape[1]
+        w_qkv = self.qkv_proj.weight
+        if (
+            rope is not None
+            and self.qkv_proj.bias is None
+            and rotary_qkv.serves(x, w_qkv, rope[0], rope[1], H, self.causal)
+        ):
+            # q and k rotated in the projection's epilogue, so the attention's kernels take them as they are.
+            return self.o_proj(rotary_qkv.attention(x, cast(w_qkv, x.dtype), rope[0], rope[1], H))
         qkv = self.qkv_proj(x)
         if rope is not None and kernels.fused_attention_available(qkv, self.head_dim, self.causal):
             return self.o_proj(kernels.rope_attention(qkv, rope[0], rope[1], H))

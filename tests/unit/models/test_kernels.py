@@ -625,7 +625,7 @@ def test_on_cuda_every_launch_the_attention_autotuners_may_pick_gives_the_same_b
         programs = min(B * H, config.kwargs["PROGRAMS_PER_SM"] * multiprocessors)
         kernel.fn[(programs,)](
             *descriptors, cos, sin, lse, B * H, L, H, cos.stride(0), D**-0.5, BLOCK_L=128, HALF=D // 2,
-            INTERPRETED=False, num_warps=config.num_warps, **config.kwargs,
+            ROTATED=False, INTERPRETED=False, num_warps=config.num_warps, **config.kwargs,
         )  # fmt: skip
 
     forwards, backwards = [], []
