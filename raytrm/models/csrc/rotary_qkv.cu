@@ -6,7 +6,8 @@
 // bf16, then column d and d + 32 of each 64-column head turn by the angle of the row's position (row % L), in fp32
 // from the tables' first halves, (x1 c - x2 s, x2 c + x1 s), and are rounded once more. The same bits as cuBLAS's
 // product followed by that operator. The attention then takes q and k as they are (its `rotated` form), where it
-// would otherwise rotate them on the way in, a head at a time, at about the cost of its products.
+// would otherwise rotate them on the way in, a head at a time: on an H200 at TRM's Sudoku shape its forward took
+// 124 us a call with the rotation, 102 without (README, Performance).
 //
 // The CTAs of gated_swiglu.cu (hopper.cuh): 128 x 256 tiles of consecutive columns, each finished an eighth a stage
 // while the tensor cores run the next. w's rows come in the kernel's order, so each thread holds 8 consecutive columns
