@@ -40,31 +40,37 @@ def test_the_down_projections_backward_takes_w_down_transposed_in_the_kernel_ord
     assert not gated.serves_down_backward(torch.zeros(4, 512, dtype=torch.bfloat16), w_down.bfloat16())
 
 
-def test_a_launch_hands_the_library_the_pointers_shapes_and_stream_and_names_a_kernel_that_fails(monkeypatch):
-    calls = {}
+def stand_in_library(monkeypatch: pytest.MonkeyPatch, **statuses: int) -> dict[str, tuple]:
+    """A library in gated's place whose entry points (statuses' names) record their arguments in the dict returned
+    and return their status, on a device of 132 multiprocessors whose current stream is 7."""
+    calls: dict[str, tuple] = {}
 
-    class Library:  # the two entry points' C signatures: four pointers, rows, inner, 512, multiprocessors, stream
-        def raytrm_swiglu_down_backward(self, *args):
-            calls["down"] = args
-            return 0
-
-        def raytrm_gated_swiglu(self, *args):
-            calls["gated"] = args
-            return 719
+    class Library:
+        def __getattr__(self, entry: str):
+            if entry not in statuses:
+                raise AttributeError(entry)
+            return lambda *args: calls.__setitem__(entry, args) or statuses[entry]
 
     monkeypatch.setattr(gated, "_lib", Library())
     monkeypatch.setattr(gated, "_multiprocessors", lambda device: 132)
     monkeypatch.setattr(gated.torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=7))
+    return calls
+
+
+def test_a_launch_hands_the_library_the_pointers_shapes_and_stream_and_names_a_kernel_that_fails(monkeypatch):
+    # The two entry points' C signatures: four pointers, rows, inner, 512, multiprocessors, stream.
+    calls = stand_in_library(monkeypatch, raytrm_swiglu_down_backward=0, raytrm_gated_swiglu=719)
     grad, gate_up = torch.zeros(5, 512, dtype=torch.bfloat16), torch.zeros(5, 512, dtype=torch.bfloat16)
     w_ordered = torch.zeros(256, 512, dtype=torch.bfloat16)
     out = gated.down_backward(grad, gate_up, w_ordered)
     assert out.shape == gate_up.shape
     pointers = (grad.data_ptr(), w_ordered.data_ptr(), gate_up.data_ptr(), out.data_ptr())
-    assert calls["down"] == (*pointers, 5, 256, 512, 132, 7)
+    assert calls["raytrm_swiglu_down_backward"] == (*pointers, 5, 256, 512, 132, 7)
     x, w = torch.zeros(3, 512, dtype=torch.bfloat16), torch.zeros(512, 512, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="the gated SwiGLU kernel failed to launch: CUDA error 719"):
         gated._launch(x, w, keep_gate_up=False)
-    assert calls["gated"][:2] == (x.data_ptr(), w.data_ptr()) and calls["gated"][3:] == (None, 3, 256, 512, 132, 7)
+    gated_call = calls["raytrm_gated_swiglu"]
+    assert gated_call[:2] == (x.data_ptr(), w.data_ptr()) and gated_call[3:] == (None, 3, 256, 512, 132, 7)
 
 
 @pytest.mark.skipif(not kernels.HAVE_TRITON, reason="the down projection's operators need Triton")

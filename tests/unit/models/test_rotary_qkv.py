@@ -2,15 +2,13 @@
 rotated projection and the operator's gradients (Triton's interpreter), its launch (a stand-in library), its bits and
 accuracy on a Hopper GPU."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from raytrm.models import cublaslt, gated, kernels, rotary_qkv
 from raytrm.models.layers import Attention, RotaryEmbedding
-from tests.unit.models.test_gated import needs_hopper
+from tests.unit.models.test_gated import needs_hopper, stand_in_library
 from tests.unit.models.test_kernels import interpretable, plain_rope_attention, run_interpreted
 
 
@@ -21,22 +19,14 @@ def test_it_serves_no_cpu_tensor():
 
 
 def test_a_launch_hands_the_library_the_pointers_shapes_positions_and_table_stride(monkeypatch):
-    calls = {}
-
-    class Library:  # the C signature: five pointers, rows, columns, 512, positions, the tables' row stride, ...
-        def raytrm_rotary_qkv(self, *args):
-            calls["rotary"] = args
-            return 0
-
-    monkeypatch.setattr(gated, "_lib", Library())
-    monkeypatch.setattr(gated, "_multiprocessors", lambda device: 132)
-    monkeypatch.setattr(gated.torch.cuda, "current_stream", lambda device: SimpleNamespace(cuda_stream=7))
+    # The C signature: five pointers, rows, columns, 512, positions, the tables' row stride, multiprocessors, stream.
+    calls = stand_in_library(monkeypatch, raytrm_rotary_qkv=0)
     x, w = torch.zeros(3, 97, 512, dtype=torch.bfloat16), torch.zeros(1536, 512, dtype=torch.bfloat16)
     cos, sin = RotaryEmbedding(64, 128, 10000.0)()
     qkv = rotary_qkv._launch(x, w, cos, sin)
     assert qkv.shape == (3, 97, 1536)
     pointers = (x.data_ptr(), w.data_ptr(), qkv.data_ptr(), cos.data_ptr(), sin.data_ptr())
-    assert calls["rotary"] == (*pointers, 3 * 97, 1536, 512, 97, 64, 132, 7)
+    assert calls["raytrm_rotary_qkv"] == (*pointers, 3 * 97, 1536, 512, 97, 64, 132, 7)
 
 
 ROTATED_SCRIPT = """
