@@ -272,13 +272,8 @@ extern "C" int raytrm_gated_swiglu(const void* x, const void* w, void* h, void* 
   if (int error = encode(&x_map, x, M)) return error;
   if (int error = encode(&w_map, w, 2 * N)) return error;
   const int bytes = int(sizeof(Shared)) + 1024, tiles = (M + BM - 1) / BM * (N / BNH);
-  static const cudaError_t configured =
-      cudaFuncSetAttribute(gated_swiglu_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (configured != cudaSuccess) return int(configured);
-  const int grid = tiles < multiprocessors ? tiles : multiprocessors;
-  gated_swiglu_kernel<<<grid, 384, bytes, static_cast<cudaStream_t>(stream)>>>(
-      x_map, w_map, static_cast<__nv_bfloat16*>(h), static_cast<__nv_bfloat16*>(gate_up), M, N);
-  return int(cudaGetLastError());
+  return launch<gated_swiglu_kernel>(bytes, tiles, multiprocessors, stream, x_map, w_map,
+                                     static_cast<__nv_bfloat16*>(h), static_cast<__nv_bfloat16*>(gate_up), M, N);
 }
 
 // 0 on success, else as raytrm_gated_swiglu's. grad [M, 512] and gate_up [M, 2 F] start on 16 bytes, as does
@@ -290,11 +285,7 @@ extern "C" int raytrm_swiglu_down_backward(const void* grad, const void* w, cons
   if (int error = encode(&grad_map, grad, M)) return error;
   if (int error = encode(&w_map, w, F)) return error;
   const int bytes = int(sizeof(DownShared)) + 1024, tiles = (M + BM - 1) / BM * (F / (2 * BNH));
-  static const cudaError_t configured =
-      cudaFuncSetAttribute(swiglu_down_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (configured != cudaSuccess) return int(configured);
-  const int grid = tiles < multiprocessors ? tiles : multiprocessors;
-  swiglu_down_backward_kernel<<<grid, 384, bytes, static_cast<cudaStream_t>(stream)>>>(
-      grad_map, w_map, static_cast<const __nv_bfloat16*>(gate_up), static_cast<__nv_bfloat16*>(grad_gate_up), M, F);
-  return int(cudaGetLastError());
+  return launch<swiglu_down_backward_kernel>(bytes, tiles, multiprocessors, stream, grad_map, w_map,
+                                             static_cast<const __nv_bfloat16*>(gate_up),
+                                             static_cast<__nv_bfloat16*>(grad_gate_up), M, F);
 }

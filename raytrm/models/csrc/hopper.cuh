@@ -181,4 +181,15 @@ int encode(CUtensorMap* map, const void* base, int rows) {
                                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
 }
 
+// Launch a kernel of these CTAs on stream: 384 threads each, `bytes` of dynamic shared memory (allowed once, at the
+// kernel's first launch), a CTA a tile up to one a multiprocessor. 0, or the CUDA error.
+template <auto Kernel, class... Args>
+int launch(int bytes, int tiles, int multiprocessors, void* stream, Args... args) {
+  static const cudaError_t allowed =
+      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (allowed != cudaSuccess) return int(allowed);
+  Kernel<<<tiles < multiprocessors ? tiles : multiprocessors, 384, bytes, static_cast<cudaStream_t>(stream)>>>(args...);
+  return int(cudaGetLastError());
+}
+
 }  // namespace

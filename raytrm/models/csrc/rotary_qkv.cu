@@ -125,12 +125,7 @@ extern "C" int raytrm_rotary_qkv(const void* x, const void* w, void* qkv, const 
   if (int error = encode(&x_map, x, M)) return error;
   if (int error = encode(&w_map, w, N)) return error;
   const int bytes = int(sizeof(RotaryShared)) + 1024, tiles = (M + BM - 1) / BM * (N / (2 * BNH));
-  static const cudaError_t configured =
-      cudaFuncSetAttribute(rotary_qkv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (configured != cudaSuccess) return int(configured);
-  const int grid = tiles < multiprocessors ? tiles : multiprocessors;
-  rotary_qkv_kernel<<<grid, 384, bytes, static_cast<cudaStream_t>(stream)>>>(
-      x_map, w_map, static_cast<__nv_bfloat16*>(qkv), static_cast<const float*>(cos_t),
-      static_cast<const float*>(sin_t), M, N, L, table_stride);
-  return int(cudaGetLastError());
+  return launch<rotary_qkv_kernel>(bytes, tiles, multiprocessors, stream, x_map, w_map,
+                                   static_cast<__nv_bfloat16*>(qkv), static_cast<const float*>(cos_t),
+                                   static_cast<const float*>(sin_t), M, N, L, table_stride);
 }
