@@ -107,7 +107,7 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor, *_: 
     x^T @ grad."""
     x, w, cos, sin, out, lse, qkv = ctx.saved_tensors
     grad_qkv = torch.ops.raytrm.rope_attention_backward(qkv, cos, sin, out, lse, grad.contiguous(), ctx.heads, True)
-    grad_qkv, rows = grad_qkv.view(-1, qkv.shape[-1]), x.view(-1, x.shape[-1])
+    grad_qkv, rows = grad_qkv.view(-1, qkv.shape[-1]), x.reshape(-1, x.shape[-1])
     grad_x = torch.ops.raytrm.mm(grad_qkv, w).view(x.shape)
     return grad_x, torch.ops.raytrm.mm(rows.t(), grad_qkv).t(), None, None, None, None
 
