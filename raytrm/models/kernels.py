@@ -676,9 +676,14 @@ def register() -> bool:
     return True
 
 
+def _tables_fit(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the kernels read the RoPE tables for x [B, L, ...]: rows of unit stride, alike in strides, covering
+    its L positions."""
+    return cos.stride(-1) == 1 and sin.stride() == cos.stride() and cos.shape[0] >= x.shape[1]
+
+
 def _check_tables(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """The RoPE tables the kernels read: rows of unit stride, alike in strides, covering qkv's positions."""
-    assert cos.stride(-1) == 1 and sin.stride() == cos.stride() and cos.shape[0] >= qkv.shape[1], "bad RoPE tables"
+    assert _tables_fit(qkv, cos, sin), "bad RoPE tables"
 
 
 def swiglu_gate(gate_up: torch.Tensor, dim: int) -> torch.Tensor:

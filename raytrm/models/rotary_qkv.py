@@ -40,10 +40,8 @@ def serves(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         and heads * HEAD == gated.INNER
         and x.shape[1] <= MAX_POSITIONS
         and cos.dtype == sin.dtype == torch.float32
-        and cos.shape[0] >= x.shape[1]
         and cos.shape[-1] == HEAD
-        and cos.stride(-1) == 1
-        and sin.stride() == cos.stride()
+        and kernels._tables_fit(x, cos, sin)
         and kernels.fused_attention_available(x, HEAD, causal)
         and gated._takes(x)
     )

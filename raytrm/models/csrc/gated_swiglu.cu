@@ -182,8 +182,7 @@ __global__ void __launch_bounds__(384, 1)
   int stage = 0;
   uint32_t phase = 0;
   float d[128];
-  // The previous tile's gate gradients as bf16 pairs: [2 i] of 8-column block i at the thread's row r, [2 i + 1] at
-  // r + 8.
+  // The previous tile's gate gradients as bf16 pairs (keep's layout).
   uint32_t kept[64];
   int kept_tile = -1;
   // Stage k of tile t (a tile's eighth: rows r and r + 8, the thread's 8 columns of the 32 from 32 k, which w's order
@@ -245,11 +244,7 @@ __global__ void __launch_bounds__(384, 1)
   for (int k = 0; k < AHEAD; ++k) copy_async_commit();
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     products(s.a, s.b, s.full, s.empty, half, stage, phase, d, [&](int k) { step(k, t); });
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      kept[2 * i] = pack(d[4 * i], d[4 * i + 1]);
-      kept[2 * i + 1] = pack(d[4 * i + 2], d[4 * i + 3]);
-    }
+    keep(d, kept);
     kept_tile = t;
   }
   if (kept_tile >= 0) {

@@ -173,6 +173,16 @@ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// A consumer's tile of products as bf16 pairs: kept[2 i] the thread's two columns of 8-column block i at its row r,
+// kept[2 i + 1] at r + 8 (wgmma's accumulator layout).
+__device__ __forceinline__ void keep(const float (&d)[128], uint32_t (&kept)[64]) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    kept[2 * i] = pack(d[4 * i], d[4 * i + 1]);
+    kept[2 * i + 1] = pack(d[4 * i + 2], d[4 * i + 3]);
+  }
+}
+
 int encode(CUtensorMap* map, const void* base, int rows) {
   const cuuint64_t dims[2] = {cuuint64_t(KB * BK), cuuint64_t(rows)}, strides[1] = {cuuint64_t(KB * BK) * 2};
   const cuuint32_t box[2] = {BK, 128}, elements[2] = {1, 1};

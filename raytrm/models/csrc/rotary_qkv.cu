@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(384, 1)
   int stage = 0;
   uint32_t phase = 0;
   float d[128];
-  // The previous tile's products as bf16 pairs: [2 i] of 8-column block i at the thread's row r, [2 i + 1] at r + 8.
+  // The previous tile's products as bf16 pairs (keep's layout: [2 i] 8-column block i at row r, [2 i + 1] at r + 8).
   uint32_t kept[64];
   int kept_row = -1, kept_column = 0, position[2] = {0, 0};
   float c[8], sn[8];  // the tables at the thread's 8 columns of a head half, for the row being finished
@@ -96,11 +96,7 @@ __global__ void __launch_bounds__(384, 1)
     products(s.a, s.b, s.full, s.empty, half, stage, phase, d, [&](int k) {
       if (kept_row >= 0) finish(k);  // an eighth of the previous tile while these products run
     });
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      kept[2 * i] = pack(d[4 * i], d[4 * i + 1]);
-      kept[2 * i + 1] = pack(d[4 * i + 2], d[4 * i + 3]);
-    }
+    keep(d, kept);
     kept_row = t / column_tiles * BM + half * 64 + warp * 16 + lane / 4;
     kept_column = t % column_tiles * 2 * BNH;
     position[0] = kept_row % L;
