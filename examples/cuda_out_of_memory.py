@@ -1,6 +1,9 @@
 """Memory-adaptive batching meeting a real out-of-memory error on a CUDA GPU, and a budget held on the allocator.
 
-    python examples/cuda_out_of_memory.py        # needs a CUDA GPU; no Ray
+GPU only: it needs a CUDA GPU (and no Ray); on a machine without one it stops at once, saying so. A Mac's MPS
+allocator fails the same way and is handled the same way; this script needs CUDA to cap the allocator.
+
+    python examples/cuda_out_of_memory.py
 
 1. The allocator is capped at about 2 GiB and the governor is given a budget far above it, so the cut it approaches
    is too large: CUDA raises out-of-memory, and the step is redone on the same samples at half the micro-batch.
@@ -8,17 +11,13 @@
 2. The allocator is left alone and the budget is 1.5 GiB: the governor fits its probe steps, then approaches the
    largest micro-batch whose predicted allocator peak stays under 90% of it, refitting on each step's peak.
 
-Output on an H200 (torch 2.11, 2026-11-25):
+Expected output, from a run on an H200 (torch 2.11, 2026-11-25):
 
     capped: choose 16 -> 32
     capped: approach 32 -> 64
     capped: out-of-memory 64 -> 32
     capped: samples seen 6144 = 6 x 1024, cut [32, 32, ..., 32], allocator peak 1974 MiB
     budget: micro-batch 19, predicted 1361 MiB, measured 1357 MiB of 1536 MiB (cuda-allocator-peak)
-
-Before the approach (2026-11-22), the governor went from its probes straight to its pick: the capped run chose
-1024 and halved six times, down to 16; the budget run chose 13, and its measured peak was 11% above the
-prediction of the line fitted to the probes alone (1507 MiB against 1342).
 """
 
 import tempfile
@@ -48,7 +47,8 @@ def experiment(data: str, budget_mb: int) -> cfg.ExperimentConfig:
 
 
 def main() -> None:
-    assert torch.cuda.is_available(), "this example needs a CUDA GPU"
+    if not torch.cuda.is_available():
+        raise SystemExit("this example needs a CUDA GPU")
     work = tempfile.mkdtemp()
     data = str(build_dataset("sudoku", f"{work}/sudoku", count=2048, test_count=64, givens=36))
 

@@ -1,7 +1,7 @@
 """Global batches as a pure function of (seed, step): an endless stream of epoch permutations, cut in batches.
 
 Because batch k's samples depend only on the seed and k, a resumed run, a retried step and a worker restart all see
-exactly the samples an uninterrupted run would: nothing lost, nothing doubled (DESIGN.md invariant 2).
+exactly the samples an uninterrupted run would: nothing lost, nothing doubled.
 """
 
 from __future__ import annotations

@@ -24,10 +24,9 @@ _TIERS = {"": "", "pro": "Pro", "max": "Max", "ultra": "Ultra", "pro or max": "P
 _TIER_UNKNOWN = "(tier unknown)"
 
 # hw.cpufamily -> (CPUFAMILY_ARM_* codename, generation, tier); tier None where a family spans several tiers.
-# Values: Apple's XNU, apple-oss-distributions/xnu osfmk/mach/machine.h (HIDRA and SOTRA are in it from commit
-# ac9718fb1af6). Codename -> chip: the comments in LLVM llvm/lib/TargetParser/Host.cpp (getHostCPUName), and
-# the recorded outputs in shared/reference/macos-outputs.md: M1 0x1b588bb3 and M2 -634136515 (§1.1),
-# M3 Max 1912690738 (§1.2), M4 Max 0x17d5b93a (§4.5), M5 Pro 0xf76c5b1a (§4.6).
+# Values: XNU's osfmk/mach/machine.h. Codename -> chip: LLVM's getHostCPUName (TargetParser/Host.cpp), checked
+# against the recorded outputs in tests/fixtures/macos (M1, M2, M3 Max in sysctl_hw_*, M4 Max and M5 Pro in
+# system_profiler_*).
 _CPUFAMILY: dict[int, tuple[str, str, str | None]] = {
     0x1B588BB3: ("FIRESTORM_ICESTORM", "M1", None),  # also A14
     0xDA33D83D: ("BLIZZARD_AVALANCHE", "M2", None),  # also A15
@@ -39,10 +38,8 @@ _CPUFAMILY: dict[int, tuple[str, str, str | None]] = {
     0x1D5A87E8: ("HIDRA", "M5", ""),
     0xF76C5B1A: ("SOTRA", "M5", None),  # M5 Pro and M5 Max
 }
-# Core layouts (fastest kind first) that tell the tier where the family does not. Recorded in
-# macos-outputs.md: M1 4+4, M2 4+4, M1 Pro and Max 8+2, M2 Pro 8+4, M2 Ultra 16+8, M4 Pro 8+4, M4 Max 12+4,
-# M5 Pro 5+10, M5 Max 6+12; the rest are Apple's published configurations. Layouts that two tiers share
-# stay "Pro or Max".
+# Core layouts (fastest kind first) that tell the tier where the family does not: Apple's published configurations,
+# as recorded Macs report them (tests/fixtures/macos). Layouts that two tiers share stay "Pro or Max".
 _TIER_BY_LAYOUT: dict[tuple[str, tuple[int, ...]], str] = {
     ("M1", (4, 4)): "", ("M1", (6, 2)): "Pro", ("M1", (8, 2)): "Pro or Max", ("M1", (16, 4)): "Ultra",
     ("M2", (4, 4)): "", ("M2", (6, 4)): "Pro", ("M2", (8, 4)): "Pro or Max", ("M2", (16, 8)): "Ultra",
@@ -52,7 +49,7 @@ _TIER_BY_LAYOUT: dict[tuple[str, tuple[int, ...]], str] = {
 }  # fmt: skip
 
 _SYSCTL_LINE = re.compile(r"^([A-Za-z_][\w-]*(?:\.[\w-]+)+)\s*(?::|=)\s?(.*)$")
-# Keys are words: this rejects prompts and `2026-04-28 08:52:35.280 system_profiler[pid:tid] ...` stderr lines.
+# Keys are words: this rejects prompts and `YYYY-MM-DD hh:mm:ss.fff system_profiler[pid:tid] ...` stderr lines.
 _PROFILER_KEY = re.compile(r"[A-Za-z][A-Za-z0-9 ()/-]*")
 _BULLET = re.compile(r"^[-*]\s+")
 _PERFLEVEL_KEY = re.compile(r"^hw\.perflevel(\d+)\.(\w+)$")

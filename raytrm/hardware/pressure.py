@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PRESSURE_LEVELS = ("normal", "warn", "critical")
-# NOTE_MEMORYSTATUS_PRESSURE_NORMAL/WARN/CRITICAL in XNU's bsd/sys/event.h; 3 is not a level (macos-outputs.md §2.4).
+# NOTE_MEMORYSTATUS_PRESSURE_NORMAL/WARN/CRITICAL in XNU's bsd/sys/event.h are bit flags: 3 is not a level.
 _XNU_LEVELS = {1: "normal", 2: "warn", 4: "critical"}
 # PSI "some avg10" is the share of the last 10 s in which at least one task waited on memory (kernel
 # Documentation/accounting/psi.rst). A healthy machine sits near 0 and brief reclaim gives a few percent; 10 % means
@@ -51,8 +51,8 @@ _SYSTEM_HAS = re.compile(r"The system has (\d+) \((\d+) pages")
 _COUNT_LINE = re.compile(r'^\s*"?([A-Za-z][A-Za-z -]*?)"?:\s*(\d+)\.?\s*$')
 _PSI_LINE = re.compile(r"^(some|full)\s+(.*)$")
 # The two commands name the same counters differently: memory_pressure's "Pages used by compressor" is vm_stat's
-# "Pages occupied by compressor" (both 120555 on the 32 GB mini, §2.2), its "Pages compressed" vm_stat's
-# "Compressions" (16186727 in both).
+# "Pages occupied by compressor", its "Pages compressed" vm_stat's "Compressions" (the same counts in the two
+# recordings of one Mac, tests/fixtures/macos/*_mini2_32gb.txt).
 _ALIASES = {
     "wired_down": "wired",
     "used_by_compressor": "compressor",
@@ -183,7 +183,7 @@ def run_command(argv: list[str], timeout_s: float = READ_TIMEOUT_S) -> str:
 
 def _device_gauges(device: object) -> tuple[Callable[[], int] | None, Callable[[], int] | None]:
     # torch is imported inside the gauges: importing this module must stay cheap, and only a run on that device
-    # calls them. MPS has no peak API (apple-silicon.md), so its peak stays None.
+    # calls them. torch.mps has no peak-memory API, so its peak stays None.
     kind = getattr(device, "type", device)
 
     def cuda_allocated() -> int:

@@ -29,9 +29,8 @@ POWERMETRICS = ["powermetrics", "-s", "thermal", "-n", "1", "-i", "100"]  # one 
 PMSET = ["pmset", "-g", "therm"]
 # powermetrics' five thermal pressure levels onto NSProcessInfo's four states, by severity. Moderate is the first
 # step up (fans, no throttling yet): fair. Heavy is where clocks drop: serious ("performance may be impacted"), even
-# though ProcessInfo has been seen to say only nominal or fair at that moment (macos-outputs.md §5.3: Hot #74, #118)
-# -- the guard should see the throttling it is there for. Trapping and Sleeping are the system forcing itself to
-# cool: critical, as MacThrottle maps them (§3.3).
+# though ProcessInfo can say only nominal or fair at that moment: the guard should see the throttling it is there
+# for. Trapping and Sleeping are the system forcing itself to cool: critical, as the MacThrottle app maps them.
 _POWERMETRICS_STATES = {
     "nominal": "nominal",
     "moderate": "fair",

@@ -1,21 +1,34 @@
-"""Every example config validates, so the README's commands work as written."""
+"""Every example config and search space validates, so the README's and the examples' commands work as written."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import yaml
 
 from raytrm import config as cfg
+from raytrm.tune.space import load_space
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = sorted(EXAMPLES_DIR.rglob("*.yaml"))
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def _is_space(path: Path) -> bool:
+    data = yaml.safe_load(path.read_text())
+    return isinstance(data, dict) and "raytrm_space" in data
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(EXAMPLES_DIR)))
 def test_example_config_validates(path):
+    if _is_space(path):
+        space = load_space(path)
+        assert space.params and space.trials
+        return
     experiment = cfg.load(cfg.ExperimentConfig, path)
     assert experiment.training.steps or experiment.training.time_budget_s
 
 
 def test_there_are_examples():
     assert EXAMPLES
+    assert any(_is_space(p) for p in EXAMPLES) and not all(_is_space(p) for p in EXAMPLES)
