@@ -242,6 +242,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def job_command(dashboard: str) -> str:
+    """The job line the head prints: `raytrm tune` as a Ray job, which joins the cluster it is submitted to."""
+    return f"RAY_AUTH_MODE=token ray job submit --address {dashboard} --working-dir . -- raytrm tune"
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     from raytrm.distributed import cluster_commands as cluster
 
@@ -260,8 +265,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(f"token: {token} (mode 0600{', new' if done['token_created'] else ''}); on each other Mac:")
         print(f"  scp {ip}:.ray/auth_token ~/.ray/auth_token && chmod 600 ~/.ray/auth_token")
         print(f"  raytrm cluster join {done['address']}")
-        submit = f"RAY_AUTH_MODE=token ray job submit --address {done['dashboard']} --working-dir ."
-        print(f"jobs, submitted here: {submit} -- raytrm tune")
+        where = "from any Mac with the token" if done["dashboard_on_lan"] else "here"
+        print(f"jobs, submitted {where}: {job_command(done['dashboard'])}")
         return cluster.block() if args.block else 0
     elif args.action == "join":
         done = cluster.join(args.head, args.node_ip, args.tier, args.token_file, args.object_store_mb)

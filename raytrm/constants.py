@@ -13,6 +13,9 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "raytrm"
 #: Log level of the `raytrm` command (DEBUG, INFO, WARNING).
 LOG_LEVEL_ENV = "RAYTRM_LOG_LEVEL"
 DEFAULT_LOG_LEVEL = "INFO"
+#: Ray's own: the cluster a driver belongs to. Ray sets it for a job's driver (`ray job submit`), so `raytrm tune` or
+#: `raytrm train` started as a job joins the cluster it was submitted to without --address.
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
 
 #: Ray custom resource every raytrm node advertises one unit of: a tuning trial takes it, so trials that share a
 #: machine never run at once while different machines run in parallel.

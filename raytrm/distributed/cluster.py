@@ -10,7 +10,7 @@ import logging
 import os
 import socket
 
-from raytrm.constants import RESOURCE_MACHINE, TIER_RESOURCE_PREFIX, tier_resource
+from raytrm.constants import RAY_ADDRESS_ENV, RESOURCE_MACHINE, TIER_RESOURCE_PREFIX, tier_resource
 from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -41,10 +41,15 @@ def _check_reachable(address: str) -> None:
 def connect(address: str | None, dashboard: bool = False) -> bool:
     """Connect to Ray: the running one (tests), a cluster at address, or a local one started here. True if owned.
 
-    A cluster made by `raytrm cluster` wants its token: with one on this Mac, token authentication is turned on.
-    dashboard starts a local Ray with its dashboard, whose state API Ray Train's placement-group cleaner polls
-    (without it, the cleaner warns every second); tuning does without and saves its memory.
+    Without an address, a driver that Ray started for a job (RAY_ADDRESS set) joins the job's cluster, as
+    `--address auto` would; elsewhere a local Ray is started. A cluster made by `raytrm cluster` wants its token: with
+    one on this Mac, token authentication is turned on. dashboard starts a local Ray with its dashboard, whose state
+    API Ray Train's placement-group cleaner polls (without it, the cleaner warns every second); tuning does without
+    and saves its memory.
     """
+    if not address and os.environ.get(RAY_ADDRESS_ENV):
+        logger.info("%s=%s (a Ray job's driver): joining that cluster", RAY_ADDRESS_ENV, os.environ[RAY_ADDRESS_ENV])
+        address = "auto"
     if address:
         from raytrm.distributed.node import use_cluster_token
 

@@ -34,6 +34,11 @@ def _environment(token: Path, spec: nodes.NodeSpec) -> dict[str, str]:
     return {**nodes.ray_environment(token), **nodes.collective_environment(spec.node_ip)}
 
 
+#: Dashboard hosts that mean every interface, and those that mean this Mac alone.
+ANY_HOST = ("0.0.0.0", "::")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def head(
     node_ip: str | None = None,
     port: int = nodes.DEFAULT_PORT,
@@ -61,7 +66,9 @@ def head(
         "memory_budget_mb": spec.memory_budget_mb,
         "token_file": str(token),
         "token_created": created,
-        "dashboard": f"http://{dashboard_host}:{nodes.DASHBOARD_PORT}",
+        # Listening on every interface, the dashboard is reached at the head's LAN address (0.0.0.0 is no address).
+        "dashboard": f"http://{spec.node_ip if dashboard_host in ANY_HOST else dashboard_host}:{nodes.DASHBOARD_PORT}",
+        "dashboard_on_lan": dashboard_host not in LOOPBACK,
     }
 
 

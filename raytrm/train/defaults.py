@@ -106,6 +106,30 @@ def _with_tier_defaults(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+#: What a resumed run may change: how long it goes on.
+RESUMABLE_CHANGES = {("training", "steps"), ("training", "time_budget_s")}
+
+
+def _refuse_changes(stored: dict[str, Any], overrides: dict[str, dict[str, Any]], source: str) -> None:
+    """Refuse flags that would change a resumed run's config, naming each field with its stored and asked values.
+
+    Flags are compared as the config reads them (`--lr 3e-3` equals a stored 0.003), so the command that started the
+    run, with --resume appended, continues it.
+    """
+    asked = cfg.to_dict(cfg.from_dict(cfg.ExperimentConfig, _merge(stored, overrides), f"{source} + flags"))
+    changed = [
+        f"{section}.{name} is {stored[section].get(name)!r} there, {asked[section][name]!r} asked"
+        for section, values in overrides.items()
+        for name in values
+        if (section, name) not in RESUMABLE_CHANGES and asked[section][name] != stored[section].get(name)
+    ]
+    if changed:
+        raise UserError(
+            f"--resume continues {source} as it was; only --steps and --time-budget may change, but "
+            f"{'; '.join(changed)}: drop those flags, or start a new run with another --out"
+        )
+
+
 def resolve_experiment(
     *,
     config_file: str | None,
@@ -130,11 +154,7 @@ def resolve_experiment(
         run_dir = Path(out)
         base = cfg.to_dict(resumable_config(run_dir))
         source = str(run_dir / CONFIG_FILE)
-        changed = {s: sorted(v) for s, v in overrides.items() if s != "training" or set(v) - {"steps", "time_budget_s"}}
-        if changed:
-            raise UserError(
-                f"--resume continues {source} as it was; only --steps and --time-budget may change (got {changed})"
-            )
+        _refuse_changes(base, overrides, source)
     elif profile_file:
         profile = cfg.load_profile(profile_file)
         base = {k: cfg.to_dict(getattr(profile, k)) for k in ("model", "data", "training")}

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 import stat
 import sys
 import time
@@ -112,13 +113,14 @@ def test_a_job_submitted_from_the_worker_runs_each_tier_on_its_host_and_leaves_t
     dashboard = f"http://{a.ip}:8265"
     unauthenticated = b.run(sys.executable, "-c", GET_STATUS, f"{dashboard}/api/jobs/")
     assert unauthenticated.stdout.strip() == "401", unauthenticated  # nobody without the token submits or looks
-    submit = b.run(  # from the worker Mac, with the token it joined with
-        sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", dashboard,
-        "--submission-id", "tune-two-hosts", "--working-dir", str(work), "--",
-        "raytrm", "tune", "--space", "space.yaml", "--out", str(out), "--address", "auto",
-        env={"RAY_AUTH_MODE": "token"}, timeout=600,
-    )  # fmt: skip
+    # The job line exactly as the head printed it, run from the worker Mac with the token it joined with, in the
+    # folder of the space file, with the space and the run directory appended.
+    (printed,) = [line for line in cluster["head"].stdout.splitlines() if line.startswith("jobs, submitted")]
+    assert printed.startswith("jobs, submitted from any Mac with the token: ") and dashboard in printed
+    command = printed.partition(": ")[2]
+    submit = b.run("bash", "-c", f"cd {work} && {command} --space space.yaml --out {out}", timeout=600)
     assert submit.returncode == 0 and "succeeded" in submit.stdout, submit.stdout + submit.stderr
+    (job,) = re.findall(r"Job '([^']+)' submitted successfully", submit.stdout)
     for tier in (HEAD_TIER, WORKER_TIER):
         assert cfg.load_profile(out / "profiles" / f"{tier}.yaml").tier == tier
     storage = optuna.storages.RDBStorage(f"sqlite:///{out / 'study.db'}")
@@ -132,9 +134,10 @@ def test_a_job_submitted_from_the_worker_runs_each_tier_on_its_host_and_leaves_t
     assert where == {HEAD_TIER: {a.ip}, WORKER_TIER: {b.ip}}
     logs = a.run(
         sys.executable, "-m", "ray.scripts.scripts", "job", "logs", "--address", "http://127.0.0.1:8265",
-        "tune-two-hosts", env={"RAY_AUTH_MODE": "token"}, check=True,
+        job, env={"RAY_AUTH_MODE": "token"}, check=True,
     )  # fmt: skip
     assert f"[{WORKER_TIER} #0] feasible" in logs.stdout and f"[{HEAD_TIER} #0] feasible" in logs.stdout
+    assert "Traceback" not in logs.stdout, logs.stdout  # trials end quietly, also when Tune shuts them down
     exported = a.raytrm("export", str(out), "--tier", WORKER_TIER, "--out", str(tmp_path / "p.yaml"), check=True)
     assert "wrote the profile" in exported.stdout
     assert "SUCCEEDED" in a.raytrm("cluster", "status", check=True).stdout

@@ -57,11 +57,32 @@ def test_resume_refusals(tiny, tmp_path, capsys):
     assert main(["train", "--config", str(config), "--steps", "2", "--out", str(run), "--quiet"]) == 0
     capsys.readouterr()
     assert main(["train", "--out", str(run), "--resume", "--steps", "4", "--hidden-size", "64"]) == 2
-    assert "only --steps and --time-budget may change" in one_error_line(capsys)
+    line = one_error_line(capsys)
+    stored = cfg.load(cfg.ExperimentConfig, run / "config.yaml").model.hidden_size
+    assert "only --steps and --time-budget may change" in line
+    assert f"model.hidden_size is {stored} there, 64 asked" in line
     (only,) = ckpt.list_checkpoints(run / "checkpoints")
     only.write_bytes(only.read_bytes()[:-10])  # torn by hand: the checksum no longer matches
     assert main(["train", "--out", str(run), "--resume", "--steps", "4", "--quiet"]) == 2
     assert "no checkpoint verifies" in one_error_line(capsys)
+
+
+def test_resume_takes_the_command_that_started_the_run_with_resume_appended(tiny, tmp_path, capsys):
+    # A config with flags, as a person types it; the same line with --resume goes on from its checkpoint.
+    config = cfg.write_yaml(tiny(), tmp_path / "tiny.yaml")
+    command = ["train", "--config", str(config), "--steps", "2", "--hidden-size", "32", "--checkpoint-interval", "1"]
+    command += ["--lr", "3e-3", "--out", str(tmp_path / "part"), "--quiet"]
+    assert main(command) == 0
+    capsys.readouterr()
+    resumed = [*command, "--resume"]
+    resumed[resumed.index("--steps") + 1] = "3"  # the one change a resume may make: how long it goes on
+    assert main(resumed) == 0
+    summary = json.loads((tmp_path / "part" / "summary.json").read_text())
+    assert (summary["steps"], summary["resumed_from_step"]) == (3, 2)
+    changed = [*resumed]
+    changed[changed.index("--lr") + 1] = "1e-3"
+    assert main(changed) == 2
+    assert "training.lr is 0.003 there, 0.001 asked" in one_error_line(capsys)
 
 
 def test_train_with_a_profile_uses_exactly_its_settings(tiny, tmp_path):

@@ -1,0 +1,35 @@
+"""Which Ray a raytrm driver joins: a job's cluster, an address, or a local one; and the job line the head prints."""
+
+from __future__ import annotations
+
+import ray
+
+from raytrm.cli import job_command
+from raytrm.distributed import cluster, node
+
+
+def joined(monkeypatch, address: str | None) -> dict:
+    """The arguments connect() gives ray.init (no Ray is started)."""
+    calls: dict = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.update(kw))
+    monkeypatch.setattr(node, "use_cluster_token", lambda: None)  # no token file of this machine's is read
+    assert cluster.connect(address) is True
+    return calls
+
+
+def test_a_ray_jobs_driver_joins_the_cluster_it_was_submitted_to(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # what Ray sets for a job's driver
+    assert joined(monkeypatch, None)["address"] == "auto"
+
+
+def test_without_a_job_or_an_address_a_local_ray_is_started(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert joined(monkeypatch, None)["address"] == "local"
+
+
+def test_the_head_prints_a_job_line_that_runs_raytrm_tune_on_the_cluster():
+    line = job_command("http://192.168.1.10:8265")
+    assert line == (
+        "RAY_AUTH_MODE=token ray job submit --address http://192.168.1.10:8265 --working-dir . -- raytrm tune"
+    )
