@@ -35,7 +35,7 @@ tune)
     # Submitted as a Ray job on the head: it survives this terminal, and `ray job logs` shows its trial lines.
     # Without RAY_AUTH_MODE a job submission sends no token, and the head refuses it.
     RAY_AUTH_MODE=token run ray job submit --address http://127.0.0.1:8265 --working-dir "$HERE" -- \
-        raytrm tune --space space.yaml --out "$TUNE" --address auto ;;
+        raytrm tune --space space.yaml --out "$TUNE" ;;
 export)
     run raytrm export "$TUNE"
     run raytrm report "$TUNE" ;;
