@@ -44,14 +44,6 @@ def is_staged(space: SearchSpace) -> bool:
     return bool(horizon_of(space)) and space.objective == "quality"
 
 
-def speed_study(space: SearchSpace, tier: str) -> str:
-    return f"{space.name}-{tier}-speed"
-
-
-def learning_study(space: SearchSpace) -> str:
-    return f"{space.name}-learning"
-
-
 def _points(start_with: Sequence[dict[str, Any]], names: Sequence[str]) -> list[dict[str, Any]]:
     """The start points restricted to `names`, without repeats, in order."""
     out: list[dict[str, Any]] = []
