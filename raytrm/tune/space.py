@@ -66,13 +66,6 @@ class Horizon:
     minutes: float | None = spec(None, "minutes of training on each tier (more samples on a faster one)", gt=0)
     samples: int | None = spec(None, "training samples, the same on every tier", ge=1)
 
-    def samples_at(self, samples_per_sec: float, fallback_s: float) -> float:
-        """The samples a config sees in the horizon at this throughput (fallback_s of training without one)."""
-        if self.samples is not None:
-            return float(self.samples)
-        seconds = self.minutes * 60 if self.minutes is not None else fallback_s
-        return seconds * samples_per_sec
-
 
 @dataclass
 class TierLimits:
