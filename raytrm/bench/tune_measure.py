@@ -16,7 +16,8 @@ from raytrm import config as cfg
 from raytrm.errors import UserError
 from raytrm.tune.curves import is_speed_knob
 from raytrm.tune.params import grid_points
-from raytrm.tune.space import Horizon, SearchSpace, build_experiment
+from raytrm.tune.space import SearchSpace, build_experiment
+from raytrm.tune.space_sections import Horizon
 
 
 def point_key(point: dict[str, Any]) -> str:

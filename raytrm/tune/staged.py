@@ -32,7 +32,8 @@ from typing import Any
 from raytrm.tune import objectives
 from raytrm.tune.curves import extrapolate, is_speed_knob, quality_at
 from raytrm.tune.params import grid_points, grid_size
-from raytrm.tune.space import Horizon, SearchSpace, horizon_of
+from raytrm.tune.space import SearchSpace, horizon_of
+from raytrm.tune.space_sections import Horizon
 
 #: A tier slower than the fastest trains its learning trials this much longer again, so the curve covers the fastest
 #: tier's horizon even where a config's speed ratio between tiers differs from the base config's.
