@@ -21,7 +21,7 @@ from raytrm.tune.studies import ranked, rate_path, reached_horizon, speed_option
 logger = logging.getLogger(__name__)
 
 
-def remote(fn: Any, tier: str) -> Any:
+def _remote(fn: Any, tier: str) -> Any:
     """fn as a Ray task on one machine unit of the tier, in a fresh process, as the trial had."""
     import ray
 
@@ -49,7 +49,7 @@ def measure_rates(run_dir: Path, tiers: list[str]) -> None:
     def submit(job: tuple[str, int], option: dict[str, Any]) -> Any:
         tier, number = job
         config = {"tier": tier, "trial_number": number, "params": dict(trials[number].params)}
-        return remote(run_trial, tier).remote({**config, "speed": option["params"]}, setup)
+        return _remote(run_trial, tier).remote({**config, "speed": option["params"]}, setup)
 
     def wait(ref: Any) -> dict[str, Any]:
         try:
@@ -77,7 +77,7 @@ def verify_best(run_dir: Path, tier: str) -> dict[str, Any] | None:
         return None
     attrs = best[0].user_attrs
     result = ray.get(
-        remote(measure, tier).remote(
+        _remote(measure, tier).remote(
             attrs["experiment"],
             memory_budget_mb=attrs.get("memory_budget_mb"),
             thermal_cap=attrs.get("thermal_cap"),
@@ -106,7 +106,7 @@ def _verify_staged(run_dir: Path, tier: str) -> dict[str, Any] | None:
     # The speed settings it was timed with there: the tier's fastest, or the next that fit it.
     config = {"tier": tier, "trial_number": best.trial, "params": best.params}
     config["speed"] = best.rate.get("speed_params") or speed["params"]
-    return _keep(run_dir, tier, ray.get(remote(run_trial, tier).remote(config, setup)), best.trial)
+    return _keep(run_dir, tier, ray.get(_remote(run_trial, tier).remote(config, setup)), best.trial)
 
 
 def _keep(run_dir: Path, tier: str, result: dict[str, Any], trial: int) -> dict[str, Any]:
