@@ -228,7 +228,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from raytrm.tune.export import export_run
+    from raytrm.tune.profiles import export_run
 
     for tier, path in export_run(args.run_dir, tier=args.tier, out=args.out).items():
         print(f"wrote the profile of tier {tier} to {path}")

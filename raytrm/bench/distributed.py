@@ -268,7 +268,7 @@ def bench_overlap(config: cfg.ExperimentConfig, workers: int, steps: int, repeat
 def small_lm(work_dir: Path, device: str, batch: int) -> cfg.ExperimentConfig:
     """The overlap bench's model: the byte-level LM at hidden 256, 4 layers and 256 bytes on the CPU (3.2M
     parameters), hidden 1024, 8 layers and 512 bytes on a GPU (101M)."""
-    from raytrm.bench.transformer import HEAD_DIM, _corpus
+    from raytrm.bench.transformer import HEAD_DIM, synthetic_corpus
 
     big = device == devices.CUDA
     hidden = 1024 if big else 256
@@ -280,7 +280,7 @@ def small_lm(work_dir: Path, device: str, batch: int) -> cfg.ExperimentConfig:
         "seq_len": 512 if big else 256,
     }
     training = {"global_batch_size": batch, "device": device, "lr": 1e-3, "warmup_steps": 2}
-    data = {"name": "text", "path": str(_corpus(work_dir / "corpus.txt"))}
+    data = {"name": "text", "path": str(synthetic_corpus(work_dir / "corpus.txt"))}
     return cfg.from_dict(cfg.ExperimentConfig, {"model": model, "data": data, "training": training})
 
 
@@ -371,9 +371,9 @@ def run(
         reference.close()
         rows += bench_sync(params, max(2, max(workers)), rate, repeats=10)
     if "overlap" in parts:
-        from raytrm.bench.transformer import _cache_in
+        from raytrm.bench.transformer import caches_in
 
-        with _cache_in(work_dir / "cache"):
+        with caches_in(work_dir / "cache"):
             rows += bench_overlap(small_lm(work_dir, device, batch), max(2, max(workers)), 6, repeats)
     if "scaling" in parts:
         rows += bench_scaling(reference_experiment("mlp_t", 512, batch, None, device, data_dir, "auto"), workers, 10)

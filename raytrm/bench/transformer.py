@@ -62,7 +62,7 @@ class TransformerRow:
     compiled: str = "off"
 
 
-def _corpus(path: Path) -> Path:
+def synthetic_corpus(path: Path) -> Path:
     """Word-like text from a fixed seed: the timing does not depend on what the bytes say."""
     if not path.exists():
         rng = np.random.default_rng(0)
@@ -73,7 +73,7 @@ def _corpus(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _cache_in(directory: Path) -> Iterator[None]:
+def caches_in(directory: Path) -> Iterator[None]:
     """Keep the benchmark's token caches in its work directory, not the user's cache."""
     old = os.environ.get(CACHE_DIR_ENV)
     os.environ[CACHE_DIR_ENV] = str(directory)
@@ -143,9 +143,9 @@ def bench_transformer(
     compile_mode: raytrm's training.compile (off, on, cudagraphs, auto); where it compiles, the reference is
     compiled too.
     """
-    corpus = _corpus(work_dir / "corpus.txt")
+    corpus = synthetic_corpus(work_dir / "corpus.txt")
     rows = []
-    with _cache_in(work_dir / "cache"):
+    with caches_in(work_dir / "cache"):
         for hidden in hiddens:
             for seq_len in seq_lens:
                 model = {

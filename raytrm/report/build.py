@@ -33,7 +33,7 @@ class Report:
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
     """Report on a training or a tuning run directory, into out (default RUN_DIR/report)."""
-    from raytrm.tune.tuner import TUNE_FILE
+    from raytrm.tune.layout import TUNE_FILE
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -60,8 +60,8 @@ def _training_report(run_dir: Path, out_dir: Path) -> Report:
 
 
 def _tuning_report(run_dir: Path, out_dir: Path) -> Report:
-    from raytrm.tune.export import format_table
     from raytrm.tune.plots import write_plots
+    from raytrm.tune.tables import format_table
 
     table = format_table(run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

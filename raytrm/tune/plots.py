@@ -10,9 +10,9 @@ import logging
 import warnings
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from raytrm.tune.layout import PLOTS_DIR, read_state
 
-PLOTS_DIR = "plots"
+logger = logging.getLogger(__name__)
 
 
 def write_plots(run_dir: str | Path) -> list[Path]:
@@ -25,10 +25,8 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     import optuna
     from optuna.visualization import matplotlib as ovm
 
-    from raytrm.tune.export import _state
-
     run_dir = Path(run_dir)
-    state = _state(run_dir)
+    state = read_state(run_dir)
     written = []
     studies = {tier: state["studies"][tier] for tier in state["tiers"]}
     if state.get("learning_study"):

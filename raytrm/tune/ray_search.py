@@ -47,8 +47,11 @@ class ConstrainedOptunaSearch(OptunaSearch):
 
     def suggest(self, trial_id: str) -> dict | None:
         params = super().suggest(trial_id)
-        number = self._ot_trials[trial_id].number
-        return {"tier": self.tier, "trial_number": number, "params": params, **self.extra}
+        return {"tier": self.tier, "trial_number": self.number_of(trial_id), "params": params, **self.extra}
+
+    def number_of(self, trial_id: str) -> int:
+        """The study's number of the trial that Tune calls trial_id."""
+        return self._ot_trials[trial_id].number
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
         """Intermediate evaluations reach the study through PrunerStopper, which reports them before deciding."""
@@ -174,7 +177,7 @@ class TierSearcher(Searcher):
         self.live[tier] -= 1
         if error:  # Tune hands an errored trial's searcher no result: its last progress report is what it measured
             result = result or last
-            self.died[tier].append(self.searchers[tier]._ot_trials[trial_id].number)
+            self.died[tier].append(self.searchers[tier].number_of(trial_id))
             self._suspect[tier] = self.clock()
             self._refresh(force=True)
         self.searchers[tier].on_trial_complete(trial_id, result, error)

@@ -32,7 +32,8 @@ from typing import Any
 from raytrm.tune import objectives
 from raytrm.tune.curves import extrapolate, is_speed_knob, quality_at
 from raytrm.tune.params import grid_points, grid_size
-from raytrm.tune.space import Horizon, SearchSpace, horizon_of
+from raytrm.tune.space import SearchSpace, horizon_of
+from raytrm.tune.space_sections import Horizon
 
 #: A tier slower than the fastest trains its learning trials this much longer again, so the curve covers the fastest
 #: tier's horizon even where a config's speed ratio between tiers differs from the base config's.
@@ -42,14 +43,6 @@ STRETCH_MARGIN = 1.1
 def is_staged(space: SearchSpace) -> bool:
     """Whether the space is tuned in stages: a horizon, and quality as the objective."""
     return bool(horizon_of(space)) and space.objective == "quality"
-
-
-def speed_study(space: SearchSpace, tier: str) -> str:
-    return f"{space.name}-{tier}-speed"
-
-
-def learning_study(space: SearchSpace) -> str:
-    return f"{space.name}-learning"
 
 
 def _points(start_with: Sequence[dict[str, Any]], names: Sequence[str]) -> list[dict[str, Any]]:

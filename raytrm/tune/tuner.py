@@ -4,10 +4,9 @@ A space with a horizon and the quality objective is tuned in stages (raytrm.tune
 then one learning study that every tier's machines share, then each finished config timed on the other tiers. Any
 other space has one study per tier, every knob in it.
 
-The run directory holds tune.yaml (the space as validated, the tiers and the study names), study.db (the Optuna
-RDB storage: `optuna trials --study-name NAME --storage sqlite:///RUN_DIR/study.db` reads it), trials/ (each
-trial's result as JSON), rates/ (staged: configs timed on other tiers), ray/ (Ray Tune's own logs), verify/ (the
-re-run of each tier's best settings), profiles/ (one profile per tier) and the plots.
+After the searches each tier's pick is re-run on its machines (raytrm.tune.verify), exported as a profile
+(raytrm.tune.profiles), printed as a table (raytrm.tune.tables) and plotted (raytrm.tune.plots); the run
+directory's files are raytrm.tune.layout's.
 
 Resume: the studies are the state; a staged run resumes each stage in order. A resumed driver records trials
 whose result reached trials/ but not the study (its driver died between the two), marks trials that were still
@@ -28,75 +27,30 @@ from typing import Any, TextIO
 import optuna
 
 from raytrm import config as cfg
-from raytrm.constants import RESOURCE_MACHINE, tier_resource
 from raytrm.distributed.cluster import alive_tiers, cluster_tiers, connect
 from raytrm.errors import UserError
-from raytrm.tune import objectives
+from raytrm.tune import objectives, staged
+from raytrm.tune.layout import (
+    TRIALS_DIR,
+    TUNE_FILE,
+    learning_study,
+    open_storage,
+    speed_study,
+    stage_setup,
+    staged_study,
+    storage_url,
+    study_name,
+    trial_resources,
+)
+from raytrm.tune.plots import write_plots
+from raytrm.tune.profiles import export_run
 from raytrm.tune.search import completed_count, record
-from raytrm.tune.space import SearchSpace, load_space, space_from_dict, tier_limits
-from raytrm.tune.staged import is_staged, learning_study, speed_study
+from raytrm.tune.space import SearchSpace, load_space, space_from_dict
+from raytrm.tune.studies import best_speed
+from raytrm.tune.tables import format_table
+from raytrm.tune.verify import measure_rates, verify_best
 
 logger = logging.getLogger(__name__)
-
-TUNE_FILE, STUDY_DB, TRIALS_DIR, VERIFY_DIR, PROFILES_DIR = "tune.yaml", "study.db", "trials", "verify", "profiles"
-
-
-def storage_url(run_dir: Path) -> str:
-    return f"sqlite:///{run_dir.resolve() / STUDY_DB}"
-
-
-def open_storage(run_dir: Path, attempts: int = 5) -> optuna.storages.RDBStorage:
-    """The run's study storage, its schema created if new.
-
-    Two processes opening a new SQLite file at once (the driver and a dashboard, `optuna trials` or a test watching the
-    run) race to create the schema, and the loser gets "table already exists" or a duplicate schema version. By then
-    the schema exists, so opening again succeeds.
-    """
-    import sqlalchemy.exc
-
-    path = run_dir / STUDY_DB
-    for attempt in range(1, attempts + 1):
-        try:
-            return optuna.storages.RDBStorage(storage_url(run_dir))
-        except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError) as e:
-            error = str(e).splitlines()[0]
-            logger.debug("opening %s failed (%s), attempt %d of %d", path, error, attempt, attempts)
-            time.sleep(0.1 * attempt)
-    raise UserError(f"{path}: cannot open the study storage ({error}); check that the run directory is writable")
-
-
-def study_name(space: SearchSpace, tier: str) -> str:
-    return f"{space.name}-{tier}"
-
-
-def staged_study(space: SearchSpace, tier: str, stage: str | None) -> str:
-    """The study a tier's trials go to: its own, its speed search's, or the learning search all tiers share."""
-    if stage == "speed":
-        return speed_study(space, tier)
-    return learning_study(space) if stage == "learning" else study_name(space, tier)
-
-
-# -- Ray --------------------------------------------------------------------------------------------------------
-
-
-def trial_resources(tier: str) -> dict[str, float]:
-    """One machine unit of the tier's node: trials that share a machine never run at once."""
-    return {"CPU": 1, RESOURCE_MACHINE: 1, tier_resource(tier): 1}
-
-
-# -- the run directory --------------------------------------------------------------------------------------------
-
-
-def _limits(space: SearchSpace, tier: str) -> dict[str, Any]:
-    """The space's override, else tiers.yaml's row; a tier not listed there (generic) is left to its node."""
-    from raytrm.hardware.tiers import load_tiers
-
-    own = tier_limits(space, tier)
-    row = next((r for r in load_tiers() if r.name == tier), None)
-    return {
-        "memory_budget_mb": own.memory_budget_mb or (row.memory_budget_mb if row else None),
-        "thermal_cap": own.thermal_cap or (row.thermal_cap if row else None),
-    }
 
 
 def _prepare_data(space: SearchSpace) -> None:
@@ -110,7 +64,7 @@ def _prepare_data(space: SearchSpace) -> None:
         logger.warning("could not prepare the dataset here: %s", e)
 
 
-def _recover(study: optuna.Study, tier: str, run_dir: Path, objective: str, stage: str | None = None) -> None:
+def recover(study: optuna.Study, tier: str, run_dir: Path, objective: str, stage: str | None = None) -> None:
     """Finish the trials a dead driver left RUNNING: record a saved result, or mark FAIL (not rerun)."""
     from raytrm.tune.trial import result_name
 
@@ -172,28 +126,25 @@ def run_tune(
                 f"tier(s) {', '.join(missing)} have no machine in the Ray cluster (it has: "
                 f"{', '.join(sorted(available))}); start one, or tune the tiers present"
             )
-        staged = is_staged(space)
+        is_staged = staged.is_staged(space)
         state.update(
             tiers=wanted,
             trials=space.trials,
             storage=storage_url(run_dir),
-            studies={t: speed_study(space, t) if staged else study_name(space, t) for t in wanted},
+            studies={t: speed_study(space, t) if is_staged else study_name(space, t) for t in wanted},
         )
-        if staged:
+        if is_staged:
             state["learning_study"] = learning_study(space)
         state["space"]["trials"] = space.trials
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.write_yaml(state, run_dir / TUNE_FILE)
         _prepare_data(space)
         machines = {t: available[t] for t in wanted}
-        run = _run_staged if staged else _run_studies
+        run = _run_staged if is_staged else _run_studies
         lost = run(space, run_dir, machines, stream)
         if lost:
             state["lost_tiers"] = {**state.get("lost_tiers", {}), **lost}
             cfg.write_yaml(state, run_dir / TUNE_FILE)
-        from raytrm.tune.export import export_run, format_table, verify_best
-        from raytrm.tune.plots import write_plots
-
         for tier in wanted:
             if tier not in lost:  # no machine of a lost tier is left to verify on
                 verify_best(run_dir, tier)
@@ -208,32 +159,11 @@ def run_tune(
             ray.shutdown()
 
 
-def stage_setup(space: SearchSpace, run_dir: Path, tiers: list[str], stage: str | None = None) -> dict[str, Any]:
-    """What every trial of a search (or of one stage of a staged search) gets besides its own parameters."""
-    measure = space.measure_args()
-    if stage == "speed":  # speed, memory and heat in the budget's short window; no horizon, no evaluation
-        measure.update(horizon=None, evaluate_quality=False)
-    elif space.objective == "throughput":  # samples/s is measured in the budget; the horizon is the profile's length
-        measure.update(horizon=None)
-    return {
-        "base": space.base,
-        "measure": measure,
-        "evaluations": 1 if stage == "speed" else space.budget.evaluations,
-        "limits": {tier: _limits(space, tier) for tier in tiers},
-        "pruner": space.pruner,
-        "run_dir": str(run_dir.resolve()),
-        "stage": stage,
-    }
-
-
 def _run_staged(
     space: SearchSpace, run_dir: Path, machines: dict[str, int], stream: TextIO
 ) -> dict[str, dict[str, Any]]:
     """The three steps of raytrm.tune.staged: each tier's speed search, the shared learning search, then each
     config that reached the horizon timed on the tiers it did not train on."""
-    from raytrm.tune import staged
-    from raytrm.tune.export import best_speed, measure_rates
-
     lost = _run_studies(staged.speed_space(space), run_dir, machines, stream, stage="speed")
     fastest = {t: best_speed(run_dir, t) for t in machines if t not in lost}
     for tier in [t for t, best in fastest.items() if best is None]:
@@ -289,7 +219,7 @@ def _run_studies(
             directions=["maximize"] * len(objectives.metric_names(space.objective)),
         )
         if name not in opened:
-            _recover(study, tier, run_dir, space.objective, stage)
+            recover(study, tier, run_dir, space.objective, stage)
             if not study.trials:
                 for point in space.start_with:
                     study.enqueue_trial(point)

@@ -42,7 +42,7 @@ CONFIG = {
     },
 }
 
-# What `raytrm tune` exports (raytrm.tune.export.build_profile), trimmed to a tiny model.
+# What `raytrm tune` exports (raytrm.tune.profiles.build_profile), trimmed to a tiny model.
 PROFILE = {
     "raytrm_profile": 1,
     "tier": "generic-linux-24gb",

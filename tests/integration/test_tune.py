@@ -19,7 +19,8 @@ import yaml
 from raytrm import config as cfg
 from raytrm.cli import main
 from raytrm.tune import objectives
-from raytrm.tune.tuner import STUDY_DB, open_storage, run_tune
+from raytrm.tune.layout import STUDY_DB, open_storage
+from raytrm.tune.tuner import run_tune
 
 TIER_A, TIER_B = "macbook-air-8gb", "mac-desktop-16gb"  # the conftest's two logical nodes
 

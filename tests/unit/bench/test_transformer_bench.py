@@ -5,21 +5,23 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
 
 from raytrm import config as cfg
 from raytrm.bench.nanogpt import NanoGPTTrainer
-from raytrm.bench.transformer import _corpus, as_json, bench_transformer, format_rows
+from raytrm.bench.transformer import as_json, bench_transformer, caches_in, format_rows, synthetic_corpus
 from raytrm.cli import main
+from raytrm.constants import CACHE_DIR_ENV
 
 HIDDEN, LAYERS, HEADS, SEQ, BATCH = 64, 2, 2, 32, 4
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    return _corpus(tmp_path_factory.mktemp("text") / "corpus.txt")
+    return synthetic_corpus(tmp_path_factory.mktemp("text") / "corpus.txt")
 
 
 def _reference(corpus, lr: float = 1e-4) -> NanoGPTTrainer:
@@ -92,3 +94,16 @@ def test_cli_compile_auto_runs_what_training_runs_by_default_eager_on_a_cpu(tmp_
     assert main(argv) == 0
     rows = json.loads(out.read_text())["results"]
     assert [(r["impl"], r["compiled"]) for r in rows] == [("raytrm", "off"), ("nanogpt", "off")]
+
+
+def test_the_corpus_is_fixed_and_the_token_caches_stay_in_the_work_directory(tmp_path, monkeypatch):
+    first = synthetic_corpus(tmp_path / "a.txt").read_bytes()
+    assert first == synthetic_corpus(tmp_path / "b.txt").read_bytes() and b" " in first
+    monkeypatch.setenv(CACHE_DIR_ENV, "/the/users/cache")
+    with caches_in(tmp_path / "cache"):
+        assert os.environ[CACHE_DIR_ENV] == str(tmp_path / "cache")
+    assert os.environ[CACHE_DIR_ENV] == "/the/users/cache"
+    monkeypatch.delenv(CACHE_DIR_ENV)
+    with caches_in(tmp_path / "cache"):
+        pass
+    assert CACHE_DIR_ENV not in os.environ

@@ -229,9 +229,9 @@ def test_what_is_not_a_run_is_one_line_and_exit_2(write_run, tmp_path, capsys):
 
 def test_a_tuning_run_gets_the_study_plots_and_the_tier_table(tmp_path, capsys):
     from raytrm.tune import objectives
+    from raytrm.tune.layout import TUNE_FILE, storage_url
     from raytrm.tune.search import record
     from raytrm.tune.space import load_space
-    from raytrm.tune.tuner import TUNE_FILE, storage_url
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     tier, space = "macbook-air-8gb", load_space(None)

@@ -11,7 +11,8 @@ import sqlalchemy.exc
 
 from raytrm.errors import UserError
 from raytrm.tune import objectives
-from raytrm.tune.tuner import STUDY_DB, TRIALS_DIR, _recover, open_storage, storage_url
+from raytrm.tune.layout import STUDY_DB, TRIALS_DIR, open_storage, storage_url
+from raytrm.tune.tuner import recover
 
 TIER = "macbook-air-8gb"
 STATE = optuna.trial.TrialState
@@ -31,7 +32,7 @@ def test_a_saved_result_is_recorded_a_lost_one_fails_and_a_queued_start_point_st
     (tmp_path / TRIALS_DIR).mkdir()
     (tmp_path / TRIALS_DIR / f"{TIER}-{saved.number}.json").write_text(json.dumps(result))
 
-    _recover(study, TIER, tmp_path, "quality")
+    recover(study, TIER, tmp_path, "quality")
 
     trials = {t.number: t for t in optuna.load_study(study_name="s", storage=storage_url(tmp_path)).trials}
     assert (tmp_path / STUDY_DB).is_file()

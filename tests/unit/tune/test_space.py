@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from raytrm.cli import main
-from raytrm.errors import UserError
-from raytrm.tune.space import build_experiment, load_space
+from raytrm.errors import ConfigError, UserError
+from raytrm.tune.space import build_experiment, load_space, space_from_dict
 
 BASE = {
     "model": {"hidden_size": 32, "L_layers": 1},
@@ -104,3 +104,11 @@ def test_an_unreachable_cluster_address_is_one_line_and_leaves_nothing(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--address 127.0.0.1:1: cannot reach a Ray head there" in err[0], err
     assert not run.exists()
+
+
+def test_horizon_is_minutes_or_samples_not_both():
+    base = {"raytrm_space": 1, "params": {"model.H_cycles": {"type": "int", "low": 1, "high": 2}}}
+    assert space_from_dict({**base, "horizon": {"minutes": 3}}, "<test>").horizon.minutes == 3
+    assert space_from_dict({**base, "horizon": {"samples": 5000}}, "<t>").horizon.samples == 5000
+    with pytest.raises(ConfigError, match=r"<test>: horizon: .*expected one of minutes or samples"):
+        space_from_dict({**base, "horizon": {"minutes": 3, "samples": 10}}, "<test>")

@@ -9,7 +9,8 @@ import pytest
 
 from raytrm.errors import ConfigError
 from raytrm.tune import staged
-from raytrm.tune.space import Horizon, load_space, space_from_dict
+from raytrm.tune.space import load_space, space_from_dict
+from raytrm.tune.space_sections import Horizon
 
 #: A curve measured on one machine: samples, seconds of training, quality (two rungs and the horizon of 60 s).
 CURVE = [

@@ -5,8 +5,6 @@ Fake per-tier searchers and a fake clock script the decisions; no Ray is started
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from ray.tune.search import Searcher
 
 from raytrm.tune.ray_search import TierSearcher
@@ -16,14 +14,17 @@ class FakeSearch:
     """Stands for one tier's ConstrainedOptunaSearch: numbers its trials, keeps what it was told."""
 
     def __init__(self, tier: str) -> None:
-        self.tier, self._ot_trials, self.told = tier, {}, []
+        self.tier, self.numbers, self.told = tier, {}, []
 
     def suggest(self, trial_id: str) -> dict:
-        self._ot_trials[trial_id] = SimpleNamespace(number=len(self._ot_trials))
-        return {"tier": self.tier, "trial_number": self._ot_trials[trial_id].number}
+        self.numbers[trial_id] = len(self.numbers)
+        return {"tier": self.tier, "trial_number": self.numbers[trial_id]}
+
+    def number_of(self, trial_id: str) -> int:
+        return self.numbers[trial_id]
 
     def on_trial_complete(self, trial_id: str, result: dict | None, error: bool) -> None:
-        self.told.append((self._ot_trials[trial_id].number, result, error))
+        self.told.append((self.numbers[trial_id], result, error))
 
 
 class Clock:

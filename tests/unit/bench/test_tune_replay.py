@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from raytrm.bench.tune_measure import grid
 from raytrm.cli import main
 from raytrm.tune.space import space_from_dict
 
@@ -21,8 +22,6 @@ SPACE = {
 
 
 def test_replay_prints_the_side_by_side(tmp_path, capsys):
-    from raytrm.bench.tune import grid
-
     space = space_from_dict(SPACE, "<test>")
     rows = []
     for p in grid(space):
@@ -45,31 +44,3 @@ def test_replay_prints_the_side_by_side(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "grid 40 points, 8 trials each" in out and "raytrm" in out and "deepspeed-probe" in out
     assert len(json.loads((tmp_path / "o.json").read_text())["raytrm"]) == 3
-
-
-def test_a_profile_is_compared_with_the_tier_defaults_side_by_side(tmp_path, capsys):
-    from raytrm import config as cfg
-    from raytrm.tune.space import build_experiment, load_space
-
-    space = load_space("quick")
-    tuned = build_experiment(space.base, {"training.micro_batch_size": 16, "model.H_cycles": 1})
-    limits = cfg.Limits(memory_budget_mb=4096)
-    profile = cfg.Profile(tier="t", model=tuned.model, data=tuned.data, training=tuned.training, limits=limits)
-    path = cfg.write_yaml(cfg.to_dict(profile), tmp_path / "p.yaml")
-    quick = tmp_path / "quick.yaml"
-    doc = cfg.read_yaml(load_space("quick").source)
-    doc["budget"] = {"warmup_s": 0.2, "measure_s": 0.5, "eval_puzzles": 16, "evaluations": 2}
-    doc["horizon"] = {"samples": 96}  # both sides train as long, three steps, and are judged there
-    cfg.write_yaml(doc, quick)
-    out_json = tmp_path / "out.json"
-    assert (
-        main(
-            ["bench", "tune", "--space", str(quick), "--profile", str(path), "--repeats", "1", "--json", str(out_json)]
-        )
-        == 0
-    )
-    out = json.loads(out_json.read_text())
-    for side in ("tier defaults", "tuned profile"):
-        (run,) = out["runs"][side]
-        assert run["status"] == "ok" and run["samples_per_sec"] > 0 and 0 <= run["quality"] <= 1
-    assert "tuned / defaults: quality x" in capsys.readouterr().out
