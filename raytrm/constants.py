@@ -13,6 +13,10 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "raytrm"
 #: Log level of the `raytrm` command (DEBUG, INFO, WARNING).
 LOG_LEVEL_ENV = "RAYTRM_LOG_LEVEL"
 DEFAULT_LOG_LEVEL = "INFO"
+#: Device fast paths (raytrm.fastpaths): "on" runs each named operation on the first backend that serves it, "off"
+#: runs every operation's plain formula.
+FASTPATHS_ENV = "RAYTRM_FASTPATHS"
+DEFAULT_FASTPATHS = "on"
 
 #: Ray custom resource every raytrm node advertises one unit of: a tuning trial takes it, so trials that share a
 #: machine never run at once while different machines run in parallel.
@@ -36,3 +40,11 @@ def cache_dir() -> Path:
     """The cache directory: $RAYTRM_CACHE_DIR, else ~/.cache/raytrm."""
     env = os.environ.get(CACHE_DIR_ENV)
     return Path(env) if env else DEFAULT_CACHE_DIR
+
+
+def fastpaths_on() -> bool:
+    """Whether device fast paths may serve raytrm's operations: $RAYTRM_FASTPATHS, on (the default) or off."""
+    value = os.environ.get(FASTPATHS_ENV, DEFAULT_FASTPATHS).strip().lower()
+    if value not in ("on", "off"):
+        raise ValueError(f"{FASTPATHS_ENV}={value!r}: expected on or off (unset means {DEFAULT_FASTPATHS})")
+    return value == "on"
