@@ -101,7 +101,11 @@ def formula(name: str) -> Callable[..., Any]:
 
 def served(name: str, *args: Any, **kwargs: Any) -> bool:
     """Whether a backend serves operation `name` on these arguments (nothing logged)."""
-    return ENABLED and any(b.why_not(*args, **kwargs) is None for b in _backends.get(name, ()))
+    if ENABLED:
+        for backend in _backends.get(name, ()):
+            if backend.why_not(*args, **kwargs) is None:
+                return True
+    return False
 
 
 def backends(name: str | None = None) -> tuple[Backend, ...]:
