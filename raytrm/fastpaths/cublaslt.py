@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 #: Tests and A/B runs turn this off: products then run torch.mm, through the same operator.
 ENABLED = True
 
-#: How many algorithms to ask cuBLASLt's heuristic for (it offered 8 at TRM's shapes on an H200).
+#: How many algorithms to ask cuBLASLt's heuristic for (it offers fewer at TRM's shapes).
 CANDIDATES = 16
 #: The workspace an algorithm may use, one a device (_workspace).
 WORKSPACE_BYTES = 32 * 1024 * 1024
@@ -205,10 +205,10 @@ def prepare(device: torch.device) -> None:
     """Make the device's handle and workspace now, not on its first product.
 
     Under torch.compile's CUDA graphs that first product runs in a graph's warm-up, whose allocations come from the
-    graphs' private pool even on a stream of their own (torch 2.11, H200): the workspace made there outlived the
-    graph untracked, and torch refused the graphs ("Detected 1 tensor(s) in the cudagraph pool not tracked as
-    outputs"): the round fell back to eager, and the same error in a backward's warm-up ended the step.
-    raytrm.train.compile calls this before it compiles a region with graphs."""
+    graphs' private pool even on a stream of their own: the workspace made there outlives the graph untracked, and
+    torch refuses the graphs ("Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"): the round falls
+    back to eager, and the same error in a backward's warm-up ends the step. raytrm.train.compile calls this before
+    it compiles a region with graphs."""
     if device.type == devices.CUDA and load():
         index = torch.cuda.current_device() if device.index is None else device.index
         _handle(index)

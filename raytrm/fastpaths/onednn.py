@@ -87,7 +87,7 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 def _packed(weight: torch.Tensor, transposed: bool, rows: int) -> torch.Tensor:
     """weight (or its transpose) reordered into oneDNN's blocked layout, kept on the weight until it changes.
 
-    A packed weight runs its products 2-7% faster than the dense one, and a weight serves dozens of products
+    A packed weight runs its products faster than the dense one, and a weight serves dozens of products
     between two optimizer steps (TRM's 21 rounds reuse one network), so it is packed once for each value it holds.
     Its version counter moves with every in-place write through torch (the optimizer's step, load_state_dict, an
     EMA swap), and with it the packed copy; a write through `.data` would not be seen, and raytrm makes none. Costs

@@ -235,7 +235,7 @@ def _(
 def swiglu_down_keeping_gate_op(gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # The gate operator and cuBLAS's product: with the gate inside the product, written out too (by its first column
     # block's programs), TRM-attention's compiled step ran slower. Launched directly, not through wrap_triton, whose
-    # dispatch inside an opaque operator costs the host about 1 ms a call.
+    # dispatch inside an opaque operator costs the host more than the kernel takes.
     rows, out, inner = down_shape(gate_up, w_down)
     h = gate_up.new_empty(*gate_up.shape[:-1], inner)
     gate_launch(swiglu_gate_kernel, gate_up, -1, h, traced=False)

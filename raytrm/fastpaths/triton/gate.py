@@ -94,8 +94,8 @@ def _gate_layout(gate_up: torch.Tensor, dim: int) -> tuple[int, int, int, int, t
 def gate_launch(kernel: object, gate_up: torch.Tensor, dim: int, *tensors: torch.Tensor, traced: bool = True) -> None:
     """Run a gate kernel over gate_up (split along dim) in tiles; tensors are its other tensor arguments.
 
-    traced: launched from a triton_op, through wrap_triton, so that torch.compile sees the kernel. Inside an
-    opaque custom_op it is launched directly: wrap_triton's dispatch there costs the host about 1 ms a call.
+    traced: launched from a triton_op, through wrap_triton, so that torch.compile sees the kernel. Inside an opaque
+    custom_op it is launched directly: wrap_triton's dispatch there costs the host more than the kernel takes.
     """
     rows, columns, row_stride, up_offset, _ = _gate_layout(gate_up, dim)
     tiles = triton.cdiv(rows, GATE_BLOCK_R) * triton.cdiv(columns, GATE_BLOCK_C)
