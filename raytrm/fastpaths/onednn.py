@@ -58,16 +58,8 @@ def on() -> bool:
 
 def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x @ weight.T runs on oneDNN: where it is on, fp32 on a CPU, eager, with a 2-D weight and an x of 2 or
-    more dims."""
-    return (
-        on()
-        and x.device.type == devices.CPU
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.dim() >= 2
-        and weight.dim() == 2
-        and not torch.compiler.is_compiling()
-    )
+    more dims (linear_why_not)."""
+    return linear_why_not(x, weight) is None
 
 
 def reason() -> str:
@@ -139,7 +131,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_why_not(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
-    """The operation linear's: `available`'s conditions."""
+    """The operation linear's: where oneDNN's linear is on (`on`), fp32 on a CPU, eager, a 2-D weight and an x of 2
+    or more dims."""
     if not ENABLED:
         return WHY_NOT or "turned off (onednn.ENABLED)"
     if not torch.backends.mkldnn.enabled:
@@ -157,9 +150,6 @@ def linear_why_not(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def _serve(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return _Linear.apply(x, weight, bias)
-
-
-BACKENDS = (Backend("linear", "onednn", linear_why_not, _serve),)
 
 
 _registered = False
@@ -183,3 +173,6 @@ def load() -> bool:
 
     _registered = True
     return True
+
+
+BACKENDS = (Backend("linear", "onednn", linear_why_not, _serve),)
