@@ -13,16 +13,17 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "raytrm"
 #: Log level of the `raytrm` command (DEBUG, INFO, WARNING).
 LOG_LEVEL_ENV = "RAYTRM_LOG_LEVEL"
 DEFAULT_LOG_LEVEL = "INFO"
-#: Device fast paths (raytrm.fastpaths): "on" runs each named operation on the first backend that serves it, "off"
-#: runs every operation's plain formula.
-FASTPATHS_ENV = "RAYTRM_FASTPATHS"
-DEFAULT_FASTPATHS = "on"
 
 #: Ray custom resource every raytrm node advertises one unit of: a tuning trial takes it, so trials that share a
 #: machine never run at once while different machines run in parallel.
 RESOURCE_MACHINE = "raytrm_machine"
 #: Prefix of the per-tier Ray resource a node advertises ("raytrm_tier:<tier name>", one unit); see tier_resource.
 TIER_RESOURCE_PREFIX = "raytrm_tier:"
+
+#: Device fast paths (raytrm.fastpaths): "on" runs each named operation on the first backend that serves it, "off"
+#: runs every operation's plain formula.
+FASTPATHS_ENV = "RAYTRM_FASTPATHS"
+DEFAULT_FASTPATHS = "on"
 
 
 def tier_resource(tier: str) -> str:
