@@ -23,6 +23,11 @@ RESOURCE_MACHINE = "raytrm_machine"
 #: Prefix of the per-tier Ray resource a node advertises ("raytrm_tier:<tier name>", one unit); see tier_resource.
 TIER_RESOURCE_PREFIX = "raytrm_tier:"
 
+#: Device fast paths (raytrm.fastpaths): "on" runs each named operation on the first backend that serves it, "off"
+#: runs every operation's plain formula.
+FASTPATHS_ENV = "RAYTRM_FASTPATHS"
+DEFAULT_FASTPATHS = "on"
+
 
 def tier_resource(tier: str) -> str:
     """The Ray resource name that marks a node as a machine of `tier`."""
@@ -39,3 +44,11 @@ def cache_dir() -> Path:
     """The cache directory: $RAYTRM_CACHE_DIR, else ~/.cache/raytrm."""
     env = os.environ.get(CACHE_DIR_ENV)
     return Path(env) if env else DEFAULT_CACHE_DIR
+
+
+def fastpaths_on() -> bool:
+    """Whether device fast paths may serve raytrm's operations: $RAYTRM_FASTPATHS, on (the default) or off."""
+    value = os.environ.get(FASTPATHS_ENV, DEFAULT_FASTPATHS).strip().lower()
+    if value not in ("on", "off"):
+        raise ValueError(f"{FASTPATHS_ENV}={value!r}: expected on or off (unset means {DEFAULT_FASTPATHS})")
+    return value == "on"

@@ -29,7 +29,7 @@ from raytrm.errors import UserError
 
 #: The ops that are matrix products, and where their operands are among the op's inputs.
 PRODUCT_OPERANDS = {"aten::mm": (0, 1), "aten::bmm": (0, 1), "aten::addmm": (1, 2), "aten::baddbmm": (1, 2)}
-#: oneDNN's linear (raytrm.models.onednn): x [..., k] @ weight [n, k].T, the weight second.
+#: oneDNN's linear (raytrm.fastpaths.onednn): x [..., k] @ weight [n, k].T, the weight second.
 LINEAR = "mkldnn::_linear_pointwise"
 PRODUCTS = {*PRODUCT_OPERANDS, LINEAR}
 #: How many of the rest a breakdown names.
@@ -46,7 +46,7 @@ class Product:
     batch: int
     calls: int
     seconds: float
-    #: Run by oneDNN's linear (raytrm.models.onednn), not torch.mm's BLAS.
+    #: Run by oneDNN's linear (raytrm.fastpaths.onednn), not torch.mm's BLAS.
     onednn: bool = False
 
     @property

@@ -15,11 +15,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from raytrm import fastpaths
 from raytrm.bench.timing import median_seconds
+from raytrm.fastpaths import cpu, triton
 from raytrm.hardware import device as devices
-from raytrm.models import kernels
-from raytrm.models.layers import SwiGLU, add_rms_norm, cast, mix_columns_in_blocks
-from raytrm.models.trm import CPU_COLUMN_BLOCK
+from raytrm.models.layers import SwiGLU
+from raytrm.models.ops import cast
 from raytrm.train.compile import plan_compile
 
 #: Sudoku's positions: 81 cells and the 16 puzzle-embedding slots.
@@ -42,22 +43,23 @@ class MixRow:
 def implementations(mlp: SwiGLU, cols: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     """The ways this device runs the mixing of cols, by row name."""
     w_gate_up, w_down = cast(mlp.gate_up_proj.weight, cols.dtype), cast(mlp.down_proj.weight, cols.dtype)
+    formula = fastpaths.formula("mix_positions_norm")
 
     def plain(x: torch.Tensor) -> torch.Tensor:
-        return add_rms_norm(x, mlp.forward_columns(x), EPS, dim=0)
+        return formula(x, cast(mlp.gate_up_proj.weight, x.dtype), cast(mlp.down_proj.weight, x.dtype), EPS)
 
     def fused(x: torch.Tensor) -> torch.Tensor:
-        return kernels.mix_positions_norm(x, w_gate_up, w_down, EPS)
+        return triton.mix_positions_norm(x, w_gate_up, w_down, EPS)
 
     ways: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"plain": plain}
-    if cols.device.type == "cpu":
-        ways["column blocks"] = lambda x: mix_columns_in_blocks(mlp, x, EPS, CPU_COLUMN_BLOCK)
+    if cols.device.type == devices.CPU:
+        ways["column blocks"] = lambda x: cpu.mix_in_blocks(x, w_gate_up, w_down, EPS)
     compiles = plan_compile("on", cols.device.type).enabled
     if compiles:
         ways["plain compiled"] = torch.compile(plain)
-    kernels.register()
+    triton.load()
     with torch.no_grad():
-        if kernels.fused_mix_available(cols):
+        if triton.mix_why_not(cols, w_gate_up, w_down, EPS) is None:
             ways["kernel"] = fused
             if compiles:
                 ways["kernel compiled"] = torch.compile(fused)

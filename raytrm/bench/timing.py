@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from raytrm.fastpaths import onednn
 from raytrm.hardware import device as devices
-from raytrm.models import onednn
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int = 2, repeats: int = 5) -> float:
@@ -39,7 +39,7 @@ def matmul_flops_per_sec(
 
 
 def onednn_flops_per_sec(n: int = 2048, repeats: int = 5) -> float:
-    """Measured rate of oneDNN's n x n x n fp32 linear on a CPU, where raytrm's linear layers run (models.onednn)."""
+    """Measured rate of oneDNN's n x n x n fp32 linear on a CPU, where raytrm's linear layers run (fastpaths.onednn)."""
     x, weight = torch.randn(n, n), torch.randn(n, n)
     seconds = median_seconds(lambda: onednn.linear(x, weight), torch.device(devices.CPU), warmup=2, repeats=repeats)
     return 2 * n**3 / seconds

@@ -1,5 +1,5 @@
-"""raytrm's models: TRM (attention or mlp_t), a byte-level transformer, TRM's losses, shared layers and
-reference-checkpoint import/export."""
+"""raytrm's models in plain PyTorch: TRM (attention or mlp_t), a byte-level transformer, TRM's losses, shared layers,
+their operations (ops; raytrm.fastpaths may serve the named ones on a device) and reference-checkpoint import/export."""
 
 from raytrm.models.layers import (
     Attention,
@@ -8,11 +8,11 @@ from raytrm.models.layers import (
     RotaryEmbedding,
     SparseEmbedding,
     SwiGLU,
-    rms_norm,
     swiglu_width,
     trunc_normal_,
 )
 from raytrm.models.losses import IGNORE_LABEL_ID, act_loss, stablemax_cross_entropy
+from raytrm.models.ops import rms_norm
 from raytrm.models.reference_io import (
     from_reference_state_dict,
     load_reference_checkpoint,

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from raytrm.models.layers import cast
+from raytrm.models.ops import cast
 
 IGNORE_LABEL_ID = -100
 

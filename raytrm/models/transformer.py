@@ -21,7 +21,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from raytrm.config import ModelConfig
-from raytrm.models.layers import Attention, Embedding, Linear, RotaryEmbedding, SwiGLU, cast, rms_norm
+from raytrm.models.layers import Attention, Embedding, Linear, RotaryEmbedding, SwiGLU
+from raytrm.models.ops import cast, rms_norm
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,7 @@ class Transformer(nn.Module):
     #: The region raytrm.train.compile compiles: the whole forward (its blocks differ only in their weights).
     compile_regions = ("forward",)
     #: ... and records with CUDA graphs on CUDA (training.compile auto): at small batches the compiled step is the
-    #: host's launches. An H200, hidden 512, 4 layers, 1,024 positions (README, Performance): batch 8, 6.6 ms a
-    #: step with graphs against 17.0 without; batch 64, 16.8 against 16.9.
+    #: host's launches.
     graph_regions = ("forward",)
 
     def num_parameters(self) -> int:

@@ -22,26 +22,12 @@ from torch import nn
 
 from raytrm.config import ModelConfig
 from raytrm.hardware import device as devices
-from raytrm.models import kernels
-from raytrm.models.layers import (
-    Attention,
-    Embedding,
-    Linear,
-    RotaryEmbedding,
-    SparseEmbedding,
-    SwiGLU,
-    add_rms_norm,
-    cast,
-    mix_columns_in_blocks,
-    trunc_normal_,
-)
+from raytrm.models.layers import Attention, Embedding, Linear, RotaryEmbedding, SparseEmbedding, SwiGLU, trunc_normal_
+from raytrm.models.ops import add_rms_norm, cast
 
 logger = logging.getLogger(__name__)
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) tables, or None without RoPE
-#: Columns per block of TRM-MLP's position mixing on a CPU (see mix_columns_in_blocks). The fastest of 256 to 4096
-#: on this project's 2-core CPU at Sudoku's 97 positions, batch 16, hidden 256 and 512 (README Performance).
-CPU_COLUMN_BLOCK = 1024
 
 
 def rows(t: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
@@ -137,7 +123,7 @@ class Block(nn.Module):
         self.attn: Attention | None = None
         self.mlp_t: SwiGLU | None = None
         if config.variant == "mlp_t":
-            self.mlp_t = SwiGLU(positions, config.expansion)  # registers the mixing kernel too
+            self.mlp_t = SwiGLU(positions, config.expansion)
         else:
             self.attn = Attention(config.hidden_size, config.num_heads, causal=False)
         self.mlp = SwiGLU(config.hidden_size, config.expansion)
@@ -148,19 +134,7 @@ class Block(nn.Module):
         if self.mlp_t is not None:
             L, B, D = x.shape
             # The reference mixes and normalises the transposed [B, D, L] tensor, so this norm is over positions.
-            cols = x.view(L, B * D)
-            if kernels.fused_mix_available(cols):
-                # The no-grad rounds on CUDA: mixing, residual and norm in one kernel.
-                w_gate_up = cast(self.mlp_t.gate_up_proj.weight, x.dtype)
-                mixed = kernels.mix_positions_norm(
-                    cols, w_gate_up, cast(self.mlp_t.down_proj.weight, x.dtype), self.eps
-                )
-            elif cols.device.type == "cpu" and not torch.compiler.is_compiling():
-                # On a CPU, eager: the same formulas a cache-sized block of columns at a time.
-                mixed = mix_columns_in_blocks(self.mlp_t, cols, self.eps, CPU_COLUMN_BLOCK)
-            else:
-                mixed = add_rms_norm(cols, self.mlp_t.forward_columns(cols), self.eps, dim=0)
-            x = mixed.view(L, B, D)
+            x = self.mlp_t.mix_norm(x.view(L, B * D), self.eps).view(L, B, D)
         else:
             assert self.attn is not None
             x = add_rms_norm(x, self.attn(x, rope), self.eps)
@@ -178,8 +152,7 @@ class TRM(nn.Module):
     #: The step's edges, which raytrm.train.compile compiles on CUDA beside the round (see compile_regions).
     EDGES = ("_start", "_finish")
     #: The region CUDA graphs record (raytrm.train.compile): the round, run H_cycles times a step. The edges run
-    #: once: graphed too, TRM-attention's step at batch 768 on an H200 took 82.78 and 83.22 ms against 82.14 and
-    #: 82.52 without graphs, the round alone graphed 84.76 and 85.72 against 85.41 and 85.86 (another H200).
+    #: once, and graphing them too made the step no faster.
     graph_regions = ("_round",)
     #: Graphed regions whose outputs stay in the graphs' memory (raytrm.train.compile): each round hands its states to
     #: the next where it wrote them, and `forward` copies out the carry's. Copied out after every round, the states
@@ -201,7 +174,7 @@ class TRM(nn.Module):
         self.puzzle_emb_len = config.puzzle_emb_len
         # The layout of the states inside a step. TRM-MLP's position mixing is a plain matrix product on positions-
         # first [L, B, D] states, viewed as [L, B * D]; attention keeps the carry's batch-first [B, L, D], which needs
-        # no transposes in and out and gives SDPA heads in its usual strides (an H200's eager step ran 7% faster).
+        # no transposes in and out and gives SDPA heads in its usual strides (a faster eager step on a GPU).
         self.positions_first = config.variant == "mlp_t"
         positions = seq_len + self.puzzle_emb_len
         hidden = config.hidden_size
@@ -232,11 +205,9 @@ class TRM(nn.Module):
     @property
     def compile_regions(self) -> tuple[str, ...]:
         """One round, and on CUDA also the step's start (the carry's reset, the embeddings) and finish (the heads),
-        whose element-wise passes over [B, L, D] inductor fuses: eager, on an H200 at Sudoku's batch, they took
-        0.6 ms of a step (the reset's two broadcasting torch.where 255 us, the embeddings' scale, concatenation and
-        zero fill, the heads' gradient summed into a zero-filled tensor). CPU steps keep them eager, as their figures
-        in the README were measured."""
-        return ("_round", *self.EDGES) if self.z_H_init.device.type == "cuda" else ("_round",)
+        whose element-wise passes over [B, L, D] inductor fuses (eager, they cost a GPU step a visible share). CPU
+        steps keep them eager."""
+        return ("_round", *self.EDGES) if self.z_H_init.device.type == devices.CUDA else ("_round",)
 
     def num_parameters(self) -> int:
         """Parameters as the reference counts them: the puzzle-embedding table is a buffer, so it is excluded."""
@@ -280,8 +251,8 @@ class TRM(nn.Module):
 
         Each update's network takes its state plus the injection: z_L + (z_H + x) for the latent, z_H + z_L for the
         answer. z_H is fixed during the latent updates, so z_H + x is formed once, and every latent update but the
-        last adds it to its own output for the next (in the down projection's epilogue in the no-grad rounds on
-        CUDA, raytrm.models.kernels.swiglu_down_norm; the same bits as adding after it).
+        last adds it to its own output for the next (the `then` of SwiGLU.add_norm, which a fast path may add in the
+        down projection's epilogue; the same bits as adding after it).
         """
         inject = z_H + x
         h = z_L + inject

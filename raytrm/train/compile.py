@@ -155,7 +155,7 @@ def compile_regions(
     names = list(getattr(model, "compile_regions", ()))
     graphed = graph_regions(model, names, plan)
     if graphed:
-        from raytrm.models import cublaslt
+        from raytrm.fastpaths import cublaslt
 
         for device in {p.device for p in model.parameters()}:
             cublaslt.prepare(device)  # its workspace, before a graph's warm-up would allocate it in the graphs' pool

@@ -12,7 +12,7 @@ replicas' gradients are added to the model's in thread order (and the sparse emb
 order), so a run repeats bit for bit. Peak memory is unchanged: the threads' micro-batches in flight together are
 the configured micro-batch (the memory governor's), never more.
 
-It needs OpenMP as ATen's parallel backend and MKL's BLAS (oneDNN, raytrm.models.onednn, uses the same OpenMP),
+It needs OpenMP as ATen's parallel backend and MKL's BLAS (oneDNN, raytrm.fastpaths.onednn, uses the same OpenMP),
 where one thread's `torch.set_num_threads(1)` is that thread's alone; elsewhere (on a GPU, compiled, with one
 thread, or under a FLOP counter or a profiler that sees one thread's operations) micro-batches run one after
 another. A profiler watching all threads (`raytrm bench trm --breakdown`) sees them side by side.

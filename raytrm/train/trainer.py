@@ -28,8 +28,8 @@ from raytrm import config as cfg
 from raytrm.data.loader import global_batches
 from raytrm.distributed.shares import shard, split
 from raytrm.distributed.sync import GradientSync, LocalSync, OverlappedAllReduce
+from raytrm.fastpaths import onednn
 from raytrm.hardware import device as devices
-from raytrm.models import onednn
 from raytrm.models.trm import Carry, rows
 from raytrm.train import threaded
 from raytrm.train.compile import compile_regions, plan_compile

@@ -4,7 +4,7 @@ import torch
 from raytrm.bench import breakdown as bd
 from raytrm.bench.trm import bench_trm
 from raytrm.errors import UserError
-from raytrm.models import onednn
+from raytrm.fastpaths import onednn
 from raytrm.train import threaded
 
 

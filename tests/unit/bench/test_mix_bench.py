@@ -18,7 +18,7 @@ def eager_only(monkeypatch):
 
 
 def test_a_cpu_without_triton_times_the_plain_formulas_whole_and_in_column_blocks(eager_only, monkeypatch):
-    monkeypatch.setattr(mix.kernels, "_INTERPRETED", False)
+    monkeypatch.setattr(mix.triton, "INTERPRETED", False)
     rows = mix.bench_mix(batch=2, hidden=16, device="cpu", dtype="float32", repeats=3, positions=9)
     assert [r.impl for r in rows] == ["plain", "column blocks"]
     row = rows[0]
@@ -28,8 +28,8 @@ def test_a_cpu_without_triton_times_the_plain_formulas_whole_and_in_column_block
 
 
 def test_the_kernel_rows_appear_where_it_runs(eager_only, monkeypatch):
-    monkeypatch.setattr(mix.kernels, "fused_mix_available", lambda x: True)
-    monkeypatch.setattr(mix.kernels, "mix_positions_norm", lambda x, *weights: x + 0)
+    monkeypatch.setattr(mix.triton, "mix_why_not", lambda x, *weights: None)
+    monkeypatch.setattr(mix.triton, "mix_positions_norm", lambda x, *weights: x + 0)
     rows = mix.bench_mix(batch=2, hidden=16, device="cpu", dtype="bfloat16", repeats=2, positions=9)
     assert [r.impl for r in rows] == ["plain", "column blocks", "kernel"]
     assert rows[2].ratio == pytest.approx(rows[0].ms / rows[2].ms)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from raytrm.bench.timing import compiled_as_run, count_flops, measure_side_by_side, onednn_columns
-from raytrm.models import onednn
+from raytrm.fastpaths import onednn
 
 
 def test_flops_of_a_compiled_call_are_counted_eagerly_without_tracing_a_graph():

@@ -105,7 +105,7 @@ class Relay(Repeater):
     ],
 )
 def test_cuda_graphs_record_the_regions_a_model_names_and_others_compile_without(monkeypatch, model, asked, graphed):
-    from raytrm.models import cublaslt
+    from raytrm.fastpaths import cublaslt
 
     prepared, seen = [], {}
     monkeypatch.setattr(cublaslt, "prepare", prepared.append)
@@ -149,7 +149,7 @@ def test_cuda_graphs_record_the_regions_a_model_names_and_others_compile_without
 
 def test_on_cuda_auto_records_the_transformers_whole_forward_with_cuda_graphs(monkeypatch):
     from raytrm import config as cfg
-    from raytrm.models import cublaslt
+    from raytrm.fastpaths import cublaslt
     from raytrm.models.transformer import Transformer
 
     monkeypatch.setattr(cublaslt, "prepare", lambda device: None)
@@ -240,12 +240,13 @@ def test_a_compiled_round_trains_to_the_eager_numbers(tiny, monkeypatch):
     assert losses["aot_eager"] == pytest.approx(losses[None], rel=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the lent GPU machine)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["on", "cudagraphs", "auto"])
 # Hidden 512: on a Hopper GPU with nvcc the gated SwiGLU product and the qkv projection carrying RoPE serve it.
 @pytest.mark.parametrize("variant, hidden", [("mlp_t", 128), ("attention", 128), ("attention", 512)])
 def test_a_compiled_step_equals_the_eager_one_on_cuda_within_bf16_noise(tiny, monkeypatch, mode, variant, hidden):
-    from raytrm.models import cublaslt, gated, rotary_qkv
+    from raytrm.fastpaths import cublaslt
+    from raytrm.fastpaths.hopper import library, rotary_qkv
 
     launches = []
     launch = rotary_qkv._launch
@@ -278,4 +279,4 @@ def test_a_compiled_step_equals_the_eager_one_on_cuda_within_bf16_noise(tiny, mo
             trainer.close()
     # bf16 rounds differently in fused kernels; the four steps' losses agree to bf16's ~3 significant digits.
     assert losses[mode] == pytest.approx(losses["off"], rel=2e-2)
-    assert bool(launches) == (variant == "attention" and hidden == 512 and gated.register())
+    assert bool(launches) == (variant == "attention" and hidden == 512 and library.load())

@@ -1,13 +1,11 @@
 """Linear layers on oneDNN's matrix products, for fp32 on AMD's x86-64 CPUs.
 
-On a CPU, torch.mm (and so F.linear and autograd's products) runs MKL's sgemm. PyTorch's x86-64 wheels carry
-oneDNN too (torch.backends.mkldnn), whose just-in-time kernels ran TRM's products 10-17% faster on this project's
-AMD EPYC (Zen 4) machine, one thread each: 111-114 GFLOP/s against MKL's 95-103 at every forward shape of TRM at
-hidden 256 and 512, and at 2048^3 (README Performance). So there a Linear's forward, and the gradient of its input,
-run on oneDNN's `_linear_pointwise` (the op inductor uses for CPU linears) with the weight packed into oneDNN's
-layout once for each value it takes; the weight's gradient stays on MKL, where oneDNN's form (both operands strided)
-was no faster. On an Intel Xeon MKL, Intel's own, was as fast or faster (oneDNN / MKL 0.84 to 1.15 over the same
-shapes, medians 0.96 on one thread and 1.01 on two), so Intel's CPUs, and CPUs whose maker is unknown, keep MKL.
+On a CPU, torch.mm (and so F.linear and autograd's products) runs MKL's sgemm. PyTorch's x86-64 wheels carry oneDNN
+too (torch.backends.mkldnn), whose just-in-time kernels ran TRM's products faster than MKL on an AMD EPYC (Zen 4),
+where on an Intel Xeon MKL, Intel's own, was as fast or faster. So on AMD's CPUs the operation linear (a Linear's
+forward, and the gradient of its input) runs on oneDNN's `_linear_pointwise` (the op inductor uses for CPU linears)
+with the weight packed into oneDNN's layout once for each value it takes; the weight's gradient stays on MKL, where
+oneDNN's form (both operands strided) was no faster. Intel's CPUs, and CPUs whose maker is unknown, keep MKL.
 
 The products sum in another order than MKL's, so results agree with F.linear within fp32 rounding, not to the bit.
 Elsewhere (other dtypes, GPUs, Apple Silicon's CPUs, under torch.compile, which packs its own weights) a Linear is
@@ -22,6 +20,7 @@ import platform
 import torch
 import torch.nn.functional as F
 
+from raytrm.fastpaths.registry import Backend
 from raytrm.hardware import device as devices
 from raytrm.hardware import linux
 
@@ -59,16 +58,8 @@ def on() -> bool:
 
 def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x @ weight.T runs on oneDNN: where it is on, fp32 on a CPU, eager, with a 2-D weight and an x of 2 or
-    more dims."""
-    return (
-        on()
-        and x.device.type == devices.CPU
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.dim() >= 2
-        and weight.dim() == 2
-        and not torch.compiler.is_compiling()
-    )
+    more dims (linear_why_not)."""
+    return linear_why_not(x, weight) is None
 
 
 def reason() -> str:
@@ -77,7 +68,7 @@ def reason() -> str:
         return f"torch.mm's BLAS for all ({WHY_NOT or 'oneDNN linear layers are turned off'})"
     if not torch.backends.mkldnn.enabled:
         return "torch.mm's BLAS for all (torch's oneDNN is turned off)"
-    return "linear layers on oneDNN, the rest on torch.mm's BLAS (an AMD x86-64 CPU; raytrm.models.onednn says why)"
+    return "linear layers on oneDNN, the rest on torch.mm's BLAS (an AMD x86-64 CPU; raytrm.fastpaths.onednn says why)"
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -88,7 +79,7 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 def _packed(weight: torch.Tensor, transposed: bool, rows: int) -> torch.Tensor:
     """weight (or its transpose) reordered into oneDNN's blocked layout, kept on the weight until it changes.
 
-    A packed weight runs its products 2-7% faster than the dense one, and a weight serves dozens of products
+    A packed weight runs its products faster than the dense one, and a weight serves dozens of products
     between two optimizer steps (TRM's 21 rounds reuse one network), so it is packed once for each value it holds.
     Its version counter moves with every in-place write through torch (the optimizer's step, load_state_dict, an
     EMA swap), and with it the packed copy; a write through `.data` would not be seen, and raytrm makes none. Costs
@@ -139,14 +130,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_why_not(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
+    """The operation linear's: where oneDNN's linear is on (`on`), fp32 on a CPU, eager, a 2-D weight and an x of 2
+    or more dims."""
+    if not ENABLED:
+        return WHY_NOT or "turned off (onednn.ENABLED)"
+    if not torch.backends.mkldnn.enabled:
+        return "torch's oneDNN is turned off"
+    if x.device.type != devices.CPU:
+        return "not on a CPU"
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return "not fp32"
+    if x.dim() < 2 or weight.dim() != 2:
+        return "a vector"
+    if torch.compiler.is_compiling():
+        return "compiled (inductor packs its own weights)"
+    return None
+
+
+def _serve(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _Linear.apply(x, weight, bias)
+
+
 _registered = False
 
 
-def register_flops() -> None:
-    """Count oneDNN's linear in torch's FLOP counter as F.linear is counted (2 m k n), once per process."""
+def load() -> bool:
+    """Count oneDNN's linear in torch's FLOP counter as F.linear is counted (2 m k n), once per process; True where
+    oneDNN's linear serves this CPU."""
     global _registered
     if _registered or not ENABLED:
-        return
+        return ENABLED
     from torch.utils.flop_counter import register_flop_formula
 
     op = torch.ops.mkldnn._linear_pointwise  # both overloads: (x, w, ...) and binary's (x, other, w, ...)
@@ -158,3 +172,7 @@ def register_flops() -> None:
             return 2 * math.prod(x_shape[:-1]) * w_shape[0] * w_shape[1]
 
     _registered = True
+    return True
+
+
+BACKENDS = (Backend("linear", "onednn", linear_why_not, _serve),)

@@ -1,21 +1,24 @@
-"""The attention's projection with RoPE in its epilogue (raytrm.models.rotary_qkv): the attention's kernels over a
-rotated projection and the operator's gradients (Triton's interpreter), its launch (a stand-in library), its bits and
-accuracy on a Hopper GPU."""
+"""The attention's projection with RoPE in its epilogue (raytrm.fastpaths.hopper.rotary_qkv): the attention's kernels
+over a rotated projection and the operator's gradients (Triton's interpreter), its launch (a stand-in library), its
+bits and accuracy on a Hopper GPU."""
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from raytrm.models import cublaslt, gated, kernels, rotary_qkv
+from raytrm.fastpaths import cublaslt
+from raytrm.fastpaths import triton as kernels
+from raytrm.fastpaths.hopper import gated, library, rotary_qkv
 from raytrm.models.layers import Attention, RotaryEmbedding
-from tests.unit.models.test_gated import needs_hopper, stand_in_library
-from tests.unit.models.test_kernels import interpretable, plain_rope_attention, run_interpreted
+from tests.unit.fastpaths.interpreter import count_runs, interpretable, replace_backend, run_interpreted
+from tests.unit.fastpaths.test_gated import needs_hopper, stand_in_library
+from tests.unit.fastpaths.test_triton import plain_rope_attention
 
 
 def test_it_serves_no_cpu_tensor():
     x, w = torch.zeros(2, 97, 512, dtype=torch.bfloat16), torch.zeros(1536, 512, dtype=torch.bfloat16)
     cos, sin = RotaryEmbedding(64, 97, 10000.0)()
-    assert not rotary_qkv.serves(x, w, cos, sin, 8, causal=False)
+    assert rotary_qkv.attention_why_not(x, w, cos, sin, 8, causal=False)
 
 
 def test_a_launch_hands_the_library_the_pointers_shapes_positions_and_table_stride(monkeypatch):
@@ -31,11 +34,13 @@ def test_a_launch_hands_the_library_the_pointers_shapes_positions_and_table_stri
 
 ROTATED_SCRIPT = """
 import torch
-from raytrm.models import cublaslt, gated, kernels, rotary_qkv
+from raytrm.fastpaths import cublaslt
+from raytrm.fastpaths import triton as kernels
+from raytrm.fastpaths.hopper import gated, rotary_qkv
 from raytrm.models.layers import RotaryEmbedding
-from tests.unit.models.test_rotary_qkv import rotated
+from tests.unit.fastpaths.test_rotary_qkv import rotated
 
-assert kernels.register()
+assert kernels.load()
 torch.manual_seed(0)
 
 # The attention's kernels over q and k rotated already, as they rotate them (in the interpreter each product and the
@@ -61,7 +66,7 @@ for batch, positions, heads, head_dim in ((2, 97, 2, 64), (3, 5, 3, 32)):
 # w's gradients are the plain path's (the projection, then the rotating attention operator) bit for bit.
 heads, head_dim = 2, 64
 def stand_in(x, w_ordered, cos, sin):
-    w = gated._kernel_order(w_ordered)
+    w = gated.kernel_order(w_ordered)
     return rotated(cublaslt.linear(x, w), cos, sin, heads)
 rotary_qkv._launch = stand_in
 x = torch.randn(2, 97, heads * head_dim).bfloat16()
@@ -104,8 +109,9 @@ def test_the_attention_over_a_rotated_projection_and_the_operators_gradients_in_
 
 def test_an_attention_takes_the_rotary_projection_where_it_serves(monkeypatch):
     calls = []
-    monkeypatch.setattr(rotary_qkv, "serves", lambda x, w, cos, sin, heads, causal: not causal)
-    monkeypatch.setattr(rotary_qkv, "attention", lambda x, w, cos, sin, heads: calls.append(heads) or x)
+    why_not = lambda x, w, cos, sin, heads, causal: "causal" if causal else None  # noqa: E731
+    run = lambda x, w, cos, sin, heads, causal: calls.append(heads) or x  # noqa: E731
+    replace_backend("attention", "hopper", monkeypatch, why_not=why_not, run=run)
     cos, sin = RotaryEmbedding(32, 9, 10000.0)()
     x = torch.randn(2, 9, 64)
     for causal, expected in ((False, [2]), (True, [])):
@@ -125,11 +131,11 @@ def _inputs(batch: int, positions: int, seed: int) -> tuple[torch.Tensor, ...]:
 @needs_hopper
 @pytest.mark.parametrize("batch, positions", [(768, 97), (3, 97), (2, 5)])
 def test_on_hopper_the_projection_has_the_bits_of_cublas_product_then_raytrms_rope(batch, positions):
-    kernels.register()
-    assert gated.register(), gated._why_not
+    kernels.load()
+    assert library.load(), library.why_not_built
     x, w, cos, sin = _inputs(batch, positions, batch)
-    assert rotary_qkv.serves(x, w, cos, sin, 8, causal=False)
-    qkv = torch.ops.raytrm.rotary_qkv(x, gated._kernel_order(w), cos, sin)
+    assert rotary_qkv.attention_why_not(x, w, cos, sin, 8, causal=False) is None
+    qkv = torch.ops.raytrm.rotary_qkv(x, gated.kernel_order(w), cos, sin)
     plain = x @ w.t()
     q, k, v = kernels.rope_qkv(plain, cos, sin, 8)
     assert torch.equal(qkv[..., :512], q.flatten(-2)) and torch.equal(qkv[..., 512:1024], k.flatten(-2))
@@ -141,8 +147,8 @@ def test_on_hopper_the_operator_matches_the_rotating_attention_within_a_rounding
     """Against the projection and the attention that rotates q and k itself: the same output and gradients but
     where a rotation's multiply-adds contract otherwise (Triton's choice in each kernel; about 1 in 100,000 of q's
     and k's values a bf16 step apart), as close to the fp64 truth on average, and the same FLOPs."""
-    kernels.register()
-    assert gated.register(), gated._why_not
+    kernels.load()
+    assert library.load(), library.why_not_built
     x, w, cos, sin = _inputs(48, 97, 0)
     g = torch.randn(48, 97, 512, device="cuda").bfloat16()
     results, flops = [], []
@@ -167,12 +173,10 @@ def test_on_hopper_the_operator_matches_the_rotating_attention_within_a_rounding
 
 @needs_hopper
 def test_on_hopper_an_attention_takes_the_rotary_projection_and_its_no_grad_form_is_the_same(monkeypatch):
-    kernels.register()
+    kernels.load()
     x, _, cos, sin = _inputs(4, 97, 1)
     attention = Attention(512, 8).cuda()
-    calls = []
-    operator = rotary_qkv.attention
-    monkeypatch.setattr(rotary_qkv, "attention", lambda *args: calls.append(1) or operator(*args))
+    calls = count_runs("attention", "hopper", monkeypatch)
     with torch.no_grad():
         fast = attention(x, (cos, sin))
     with_grad = attention(x, (cos, sin))  # through the operator's autograd: the weights take gradients

@@ -1,49 +1,51 @@
-"""The Triton kernels (raytrm.models.kernels), TRM-MLP's fused mixing, the SwiGLU gate and RoPE: equal to the plain
-formulas within rounding.
+"""The Triton kernels (raytrm.fastpaths.triton): TRM-MLP's fused mixing, the SwiGLU gate and down projection, RoPE and
+the attention, equal to the plain formulas within rounding, and the conditions under which each serves.
 
-Without a GPU the kernel runs in Triton's CPU interpreter, in a subprocess (Triton reads TRITON_INTERPRET when a
-kernel is defined); on the lent GPU machine the CUDA tests run the compiled kernel.
+Without a GPU the kernels run in Triton's CPU interpreter, in a subprocess (Triton reads TRITON_INTERPRET when a
+kernel is defined); on a GPU the CUDA tests run the compiled kernels.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from raytrm.models import kernels
-from raytrm.models.layers import RotaryEmbedding, SwiGLU, add_rms_norm, apply_rotary, cast
-
-ROOT = Path(__file__).resolve().parents[3]
-needs_triton = pytest.mark.skipif(not kernels.HAVE_TRITON, reason="needs Triton (the test extra installs it on Linux)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the lent GPU machine)")
-
-
-def _triton_version() -> tuple[int, int]:
-    import triton
-
-    return tuple(int(part) for part in triton.__version__.split(".")[:2])
+from raytrm.fastpaths import device
+from raytrm.fastpaths import triton as kernels
+from raytrm.models.layers import RotaryEmbedding, SwiGLU
+from raytrm.models.ops import add_rms_norm, apply_rotary, cast
+from tests.unit.fastpaths.interpreter import interpretable, needs_cuda, needs_triton, run_interpreted
 
 
-interpretable = pytest.mark.skipif(
-    not kernels.HAVE_TRITON or _triton_version() < (3, 9), reason="needs Triton 3.9 or later to interpret the kernels"
-)
+def mix_serves(x: torch.Tensor) -> bool:
+    return kernels.mix_why_not(x, None, None, 1e-5) is None
 
 
-def run_interpreted(script: str) -> None:
-    """Run script in a subprocess under Triton's CPU interpreter (read when a kernel is defined); it prints OK."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.startswith("OK")
+def gate_serves(gate_up: torch.Tensor, dim: int) -> bool:
+    return kernels.gate_why_not(gate_up, dim) is None
+
+
+def down_serves(gate_up: torch.Tensor, w_down_shape: tuple[int, int]) -> bool:
+    return kernels.down_why_not(gate_up, torch.empty(w_down_shape, device="meta")) is None
+
+
+def add_norm_serves(x: torch.Tensor, w_down_shape: tuple[int, int], then: torch.Tensor | None = None) -> bool:
+    """swiglu_add_norm's conditions for x and a SwiGLU of x's width whose down projection has weight w_down_shape."""
+    out, inner = w_down_shape
+    w_gate_up = torch.empty(2 * inner, x.shape[-1], device="meta")
+    return kernels.add_norm_why_not(x, w_gate_up, torch.empty(out, inner, device="meta"), 1e-5, then) is None
+
+
+def rope_serves(qkv: torch.Tensor, head_dim: int) -> bool:
+    heads = qkv.shape[-1] // (3 * head_dim)
+    assert 3 * heads * head_dim == qkv.shape[-1]
+    return kernels.rope_why_not(qkv, None, None, heads) is None
+
+
+def attention_serves(qkv: torch.Tensor, head_dim: int, causal: bool) -> bool:
+    return kernels.attention_kernels_why_not(qkv, head_dim, causal) is None
 
 
 def exact_mix(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,54 +71,55 @@ def assert_within_a_rounding(y: torch.Tensor, exact: torch.Tensor) -> None:
 
 def test_without_triton_or_off_cuda_the_plain_formulas_serve(monkeypatch):
     x = torch.zeros(97, 8, dtype=torch.bfloat16)
-    monkeypatch.setattr(kernels, "_registered", True)
-    monkeypatch.setattr(kernels, "_INTERPRETED", False)
+    monkeypatch.setattr(kernels, "_loaded", True)
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
     with torch.no_grad():
-        assert not kernels.fused_mix_available(x)  # a CPU tensor, no interpreter
-    monkeypatch.setattr(kernels, "_registered", False)
+        assert not mix_serves(x)  # a CPU tensor, no interpreter
+    monkeypatch.setattr(kernels, "_loaded", False)
     with torch.no_grad():
-        assert not kernels.fused_mix_available(x.to("meta"))
+        assert not mix_serves(x.to("meta"))
 
 
 def test_the_kernel_serves_only_forwards_without_a_graph(monkeypatch):
-    monkeypatch.setattr(kernels, "_registered", True)
-    monkeypatch.setattr(kernels, "_INTERPRETED", True)
+    monkeypatch.setattr(kernels, "_loaded", True)
+    monkeypatch.setattr(kernels, "INTERPRETED", True)
     x = torch.zeros(97, 8, dtype=torch.bfloat16)
     with torch.no_grad():
-        assert kernels.fused_mix_available(x)
-        assert not kernels.fused_mix_available(x.float())  # fp32 states take the plain formulas
-        assert not kernels.fused_mix_available(torch.zeros(kernels.MAX_POSITIONS + 1, 8, dtype=torch.bfloat16))
-    assert not kernels.fused_mix_available(x)  # grad mode: the back-propagated round
+        assert mix_serves(x)
+        assert not mix_serves(x.float())  # fp32 states take the plain formulas
+        assert not mix_serves(torch.zeros(kernels.MAX_POSITIONS + 1, 8, dtype=torch.bfloat16))
+    assert not mix_serves(x)  # grad mode: the back-propagated round
 
 
 def test_the_gate_operator_serves_contiguous_half_precision_split_along_the_first_or_last_dimension(monkeypatch):
-    monkeypatch.setattr(kernels, "_registered", True)
-    monkeypatch.setattr(kernels, "_INTERPRETED", True)
+    monkeypatch.setattr(kernels, "_loaded", True)
+    monkeypatch.setattr(kernels, "INTERPRETED", True)
     x = torch.zeros(6, 4, 8, dtype=torch.bfloat16)
-    assert kernels.fused_gate_available(x, 0) and kernels.fused_gate_available(x, -1)
-    assert kernels.fused_gate_available(x, 2)
-    assert not kernels.fused_gate_available(x, 1)  # a middle dimension takes the plain formula
-    assert not kernels.fused_gate_available(x.transpose(0, 2), 0)  # so does a strided view
-    assert not kernels.fused_gate_available(x.float(), -1)
-    assert not kernels.fused_gate_available(torch.zeros(6, 7, dtype=torch.bfloat16), -1)  # no halves
+    assert gate_serves(x, 0) and gate_serves(x, -1)
+    assert gate_serves(x, 2)
+    assert not gate_serves(x, 1)  # a middle dimension takes the plain formula
+    assert not gate_serves(x.transpose(0, 2), 0)  # so does a strided view
+    assert not gate_serves(x.float(), -1)
+    assert not gate_serves(torch.zeros(6, 7, dtype=torch.bfloat16), -1)  # no halves
     with torch.no_grad():
-        assert kernels.fused_gate_available(x, -1)  # with or without a graph, unlike the mixing kernel
-    monkeypatch.setattr(kernels, "_INTERPRETED", False)
-    assert not kernels.fused_gate_available(x, -1)  # on a CPU without the interpreter
+        assert gate_serves(x, -1)  # with or without a graph, unlike the mixing kernel
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    assert not gate_serves(x, -1)  # on a CPU without the interpreter
 
 
 GATE_SCRIPT = """
 import torch
-from raytrm.models import kernels
-from raytrm.models.layers import _SwiGLUGate, swiglu_gate
+from raytrm.fastpaths import triton as kernels
+from raytrm.models.ops import _SwiGLUGate, swiglu_gate
+from tests.unit.fastpaths.test_triton import gate_serves
 
-assert kernels.register()
+assert kernels.load()
 torch.manual_seed(0)
 # TRM-MLP's mixing (split along the first dimension of [2 * inner, columns]), the feature SwiGLU's (along the
 # last), and widths that are no multiple of a block.
 for shape, dim in (((2 * 64, 300), 0), ((2 * 3, 4, 5), 0), ((5, 7, 2 * 96), -1), ((3, 2 * 1500), -1)):
     x = (3 * torch.randn(shape)).bfloat16()
-    assert kernels.fused_gate_available(x, dim)  # so swiglu_gate runs the operator
+    assert gate_serves(x, dim)  # so swiglu_gate runs the operator
     ours, plain = x.clone().requires_grad_(), x.clone().requires_grad_()
     out = swiglu_gate(ours, dim)
     expected = _SwiGLUGate.apply(plain, dim)  # the CPU's bf16 formulas, rounding where the operator rounds
@@ -138,55 +141,53 @@ def test_the_gate_operator_equals_the_plain_formulas_forward_and_backward_in_tri
 
 
 def test_the_swiglu_down_operator_serves_contiguous_half_precision_with_widths_in_multiples_of_64(monkeypatch):
-    monkeypatch.setattr(kernels, "_registered", True)
-    monkeypatch.setattr(kernels, "_INTERPRETED", True)
+    monkeypatch.setattr(kernels, "_loaded", True)
+    monkeypatch.setattr(kernels, "INTERPRETED", True)
     monkeypatch.setattr(kernels, "_descriptors", True)
     gate_up = torch.zeros(6, 4, 2 * 128, dtype=torch.bfloat16)
-    assert kernels.fused_swiglu_down_available(gate_up, (64, 128))
+    assert down_serves(gate_up, (64, 128))
     with torch.no_grad():
-        assert kernels.fused_swiglu_down_available(gate_up, (64, 128))  # with or without a graph
+        assert down_serves(gate_up, (64, 128))  # with or without a graph
     monkeypatch.setattr(kernels, "_descriptors", False)  # a Triton without tensor descriptors: no backward kernel
-    assert not kernels.fused_swiglu_down_available(gate_up, (64, 128))
+    assert not down_serves(gate_up, (64, 128))
     with torch.no_grad():
-        assert kernels.fused_swiglu_down_available(gate_up, (64, 128))
+        assert down_serves(gate_up, (64, 128))
     monkeypatch.setattr(kernels, "_descriptors", True)
-    assert not kernels.fused_swiglu_down_available(gate_up, (64, 96))  # gate_up is not [gate | up] of this inner
-    assert not kernels.fused_swiglu_down_available(torch.zeros(6, 2 * 96, dtype=torch.bfloat16), (64, 96))
-    assert not kernels.fused_swiglu_down_available(gate_up, (48, 128))  # out no multiple of 64
-    assert not kernels.fused_swiglu_down_available(gate_up.transpose(0, 1), (64, 128))
-    assert not kernels.fused_swiglu_down_available(gate_up.float(), (64, 128))
+    assert not down_serves(gate_up, (64, 96))  # gate_up is not [gate | up] of this inner
+    assert not down_serves(torch.zeros(6, 2 * 96, dtype=torch.bfloat16), (64, 96))
+    assert not down_serves(gate_up, (48, 128))  # out no multiple of 64
+    assert not down_serves(gate_up.transpose(0, 1), (64, 128))
+    assert not down_serves(gate_up.float(), (64, 128))
     # With the residual add and norm: only without a graph, a tile holding whole rows of a power of two.
     x = torch.zeros(6, 4, 64, dtype=torch.bfloat16)
-    assert not kernels.fused_swiglu_down_norm_available(x, gate_up, (64, 128))  # grad mode: the back-propagated round
+    assert not add_norm_serves(x, (64, 128))  # grad mode: the back-propagated round
     with torch.no_grad():
-        assert kernels.fused_swiglu_down_norm_available(x, gate_up, (64, 128))
-        assert not kernels.fused_swiglu_down_norm_available(
-            torch.zeros(6, 4, 192, dtype=torch.bfloat16), gate_up, (192, 128)
-        )
+        assert add_norm_serves(x, (64, 128))
+        assert not add_norm_serves(torch.zeros(6, 4, 192, dtype=torch.bfloat16), (192, 128))
         wide = kernels.MAX_NORM_WIDTH * 2
-        assert not kernels.fused_swiglu_down_norm_available(
-            torch.zeros(6, 4, wide, dtype=torch.bfloat16), gate_up, (wide, 128)
-        )
-        assert not kernels.fused_swiglu_down_norm_available(x.float(), gate_up, (64, 128))
-        assert not kernels.fused_swiglu_down_norm_available(x[:3], gate_up, (64, 128))  # rows unlike gate_up's
-    monkeypatch.setattr(kernels, "_INTERPRETED", False)
-    assert not kernels.fused_swiglu_down_available(gate_up, (64, 128))  # on a CPU without the interpreter
+        assert not add_norm_serves(torch.zeros(6, 4, wide, dtype=torch.bfloat16), (wide, 128))
+        assert not add_norm_serves(x.float(), (64, 128))
+        assert not add_norm_serves(x, (64, 128), then=x[:3])  # rows unlike the residual's
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    assert not down_serves(gate_up, (64, 128))  # on a CPU without the interpreter
 
 
 SWIGLU_DOWN_SCRIPT = """
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
-from raytrm.models import kernels
-from raytrm.models.layers import SwiGLU, _SwiGLUGate, add_rms_norm
+from raytrm.fastpaths import triton as kernels
+from raytrm.models.layers import SwiGLU
+from raytrm.models.ops import _SwiGLUGate, add_rms_norm
+from tests.unit.fastpaths.test_triton import add_norm_serves, down_serves
 
-assert kernels.register()
+assert kernels.load()
 torch.manual_seed(0)
 # Rows and widths that are no multiple of a tile, and a batch of rows in three dimensions.
 for shape, out, inner in (((37,), 64, 128), ((5,), 128, 192), ((2, 65), 64, 64)):
     gate_up = (2 * torch.randn(*shape, 2 * inner)).bfloat16()
     w = (torch.randn(out, inner) * inner**-0.5).bfloat16()
-    assert kernels.fused_swiglu_down_available(gate_up, w.shape)
+    assert down_serves(gate_up, w.shape)
     ours, plain = gate_up.clone().requires_grad_(), gate_up.clone().requires_grad_()
     w_ours, w_plain = w.clone().requires_grad_(), w.clone().requires_grad_()
     with FlopCounterMode(display=False) as counted_ours:
@@ -199,11 +200,11 @@ for shape, out, inner in (((37,), 64, 128), ((5,), 128, 192), ((2, 65), 64, 64))
     x = torch.randn(*shape, out).bfloat16()  # a residual stream
     with torch.no_grad():
         y_no_grad = kernels.swiglu_down(gate_up, w)  # the gate inside the product
-        assert kernels.fused_swiglu_down_norm_available(x, gate_up, w.shape)
+        assert add_norm_serves(x, w.shape)
         normed = kernels.swiglu_down_norm(gate_up, w, x, 1e-5)  # and the residual add and norm after it
         then = torch.randn_like(x)  # and the next recursion's injection after those, to the bit
-        assert kernels.fused_swiglu_down_norm_available(x, gate_up, w.shape, then)
-        assert not kernels.fused_swiglu_down_norm_available(x, gate_up, w.shape, then.float())
+        assert add_norm_serves(x, w.shape, then)
+        assert not add_norm_serves(x, w.shape, then.float())
         assert torch.equal(kernels.swiglu_down_norm(gate_up, w, x, 1e-5, then), normed + then)
         kernels._descriptors = False  # as on a GPU without TMA copies: the pointer-load kernel, to the same bits
         assert torch.equal(kernels.swiglu_down_norm(gate_up, w, x, 1e-5), normed)
@@ -252,28 +253,31 @@ def test_the_swiglu_down_operator_equals_the_plain_formulas_forward_and_backward
 
 
 def test_the_rope_operator_serves_contiguous_projections_but_compiled_no_grad_rounds(monkeypatch):
-    monkeypatch.setattr(kernels, "_registered", True)
-    monkeypatch.setattr(kernels, "_INTERPRETED", True)
+    monkeypatch.setattr(kernels, "_loaded", True)
+    monkeypatch.setattr(kernels, "INTERPRETED", True)
     qkv = torch.zeros(2, 97, 3 * 8 * 64, dtype=torch.bfloat16)
-    assert kernels.fused_rope_available(qkv, 64)
+    assert rope_serves(qkv, 64)
     with torch.no_grad():
-        assert kernels.fused_rope_available(qkv, 64)  # eager no-grad rounds: one pass against _Rotary's several
+        assert rope_serves(qkv, 64)  # eager no-grad rounds: one pass against _Rotary's several
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert not kernels.fused_rope_available(qkv, 64)  # inductor's own fused rotation leaves v in place
-    assert kernels.fused_rope_available(qkv, 64)  # compiled, with a graph: the operator's one-pass backward
-    assert not kernels.fused_rope_available(qkv, 48)  # half a head is no power of two
-    assert not kernels.fused_rope_available(qkv[:, :, : 3 * 8 * 32], 32)  # a strided view
-    assert not kernels.fused_rope_available(qkv.float(), 64)
-    monkeypatch.setattr(kernels, "_INTERPRETED", False)
-    assert not kernels.fused_rope_available(qkv, 64)  # on a CPU without the interpreter
+        assert not rope_serves(qkv, 64)  # inductor's own fused rotation leaves v in place
+    assert rope_serves(qkv, 64)  # compiled, with a graph: the operator's one-pass backward
+    assert not rope_serves(torch.zeros(2, 97, 3 * 8 * 48, dtype=torch.bfloat16), 48)  # half a head no power of two
+    assert not rope_serves(qkv[:, :, : 3 * 8 * 32], 32)  # a strided view
+    assert not rope_serves(qkv.float(), 64)
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    assert not rope_serves(qkv, 64)  # on a CPU without the interpreter
 
 
 ROPE_SCRIPT = """
 import torch
-from raytrm.models import kernels
-from raytrm.models.layers import Attention, RotaryEmbedding, _Rotary
+from raytrm.fastpaths import triton as kernels
+from raytrm.models.layers import Attention, RotaryEmbedding
+from raytrm.models.ops import _Rotary
+from tests.unit.fastpaths.interpreter import count_runs
+from tests.unit.fastpaths.test_triton import rope_serves
 
-assert kernels.register()
+assert kernels.load()
 torch.manual_seed(0)
 
 
@@ -286,7 +290,7 @@ def within_a_step(a, b):
 # TRM's Sudoku heads, and a head count and token count that are no multiple of a block.
 for batch, positions, heads, head_dim in ((2, 97, 8, 64), (3, 5, 3, 16)):
     qkv = (3 * torch.randn(batch, positions, 3 * heads * head_dim)).bfloat16()
-    assert kernels.fused_rope_available(qkv, head_dim)
+    assert rope_serves(qkv, head_dim)
     cos, sin = RotaryEmbedding(head_dim, positions + 3, 10000.0)()
     ours, plain = qkv.clone().requires_grad_(), qkv.clone().requires_grad_()
     q, k, v = kernels.rope_qkv(ours, cos, sin, heads)
@@ -307,12 +311,10 @@ for batch, positions, heads, head_dim in ((2, 97, 8, 64), (3, 5, 3, 16)):
 attention = Attention(64, 4).bfloat16()
 cos, sin = RotaryEmbedding(16, 97, 10000.0)()
 x = torch.randn(2, 97, 64).bfloat16()
-calls = []
-operator = kernels.rope_qkv
-kernels.rope_qkv = lambda *a: calls.append(1) or operator(*a)
+calls = count_runs("rope_qkv", "triton")
 with torch.no_grad():
     fused = attention(x, (cos, sin))
-    kernels._registered = False
+    kernels._loaded = False
     plain = attention(x, (cos, sin))
 assert calls == [1], calls
 off = (fused.float() - plain.float()).abs()
@@ -327,30 +329,30 @@ def test_the_rope_operator_equals_the_plain_rotation_forward_and_backward_in_tri
 
 
 def test_the_attention_operator_serves_whole_sequences_of_at_most_128_positions_eager_or_compiled(monkeypatch):
-    monkeypatch.setattr(kernels, "_registered", True)
-    monkeypatch.setattr(kernels, "_INTERPRETED", True)
+    monkeypatch.setattr(kernels, "_loaded", True)
+    monkeypatch.setattr(kernels, "INTERPRETED", True)
     qkv = torch.zeros(2, 97, 3 * 8 * 64, dtype=torch.bfloat16)
     monkeypatch.setattr(kernels, "_descriptors", False)
-    assert not kernels.fused_attention_available(qkv, 64, causal=False)  # a Triton without tensor descriptors
+    assert not attention_serves(qkv, 64, causal=False)  # a Triton without tensor descriptors
     monkeypatch.setattr(kernels, "_descriptors", True)
-    assert kernels.fused_attention_available(qkv, 64, causal=False)
+    assert attention_serves(qkv, 64, causal=False)
     with torch.no_grad():
-        assert kernels.fused_attention_available(qkv, 64, causal=False)  # eager no-grad rounds
+        assert attention_serves(qkv, 64, causal=False)  # eager no-grad rounds
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         # Compiled no-grad rounds too, where the RoPE operator gives way to inductor's rotation: the attention's
         # forward is faster than that rotation and cuDNN's forward.
-        assert kernels.fused_attention_available(qkv, 64, causal=False)
-        assert not kernels.fused_rope_available(qkv, 64)
-    assert kernels.fused_attention_available(qkv, 64, causal=False)  # compiled, with a graph: the one backward
-    assert not kernels.fused_attention_available(qkv[..., : 3 * 8 * 32], 32, causal=False)  # a strided view
-    assert kernels.fused_attention_available(torch.zeros(2, 97, 3 * 8 * 32, dtype=torch.bfloat16), 32, causal=False)
-    assert not kernels.fused_attention_available(qkv, 64, causal=True)  # the language model's
-    assert not kernels.fused_attention_available(torch.zeros(1, 129, 3 * 64, dtype=torch.bfloat16), 64, causal=False)
-    assert not kernels.fused_attention_available(torch.zeros(1, 9, 3 * 4 * 16, dtype=torch.bfloat16), 16, causal=False)
-    assert not kernels.fused_attention_available(torch.zeros(1, 9, 3 * 4 * 48, dtype=torch.bfloat16), 48, causal=False)
-    assert not kernels.fused_attention_available(qkv.float(), 64, causal=False)
-    monkeypatch.setattr(kernels, "_INTERPRETED", False)
-    assert not kernels.fused_attention_available(qkv, 64, causal=False)  # on a CPU without the interpreter
+        assert attention_serves(qkv, 64, causal=False)
+        assert not rope_serves(qkv, 64)
+    assert attention_serves(qkv, 64, causal=False)  # compiled, with a graph: the one backward
+    assert not attention_serves(qkv[..., : 3 * 8 * 32], 32, causal=False)  # a strided view
+    assert attention_serves(torch.zeros(2, 97, 3 * 8 * 32, dtype=torch.bfloat16), 32, causal=False)
+    assert not attention_serves(qkv, 64, causal=True)  # the language model's
+    assert not attention_serves(torch.zeros(1, 129, 3 * 64, dtype=torch.bfloat16), 64, causal=False)
+    assert not attention_serves(torch.zeros(1, 9, 3 * 4 * 16, dtype=torch.bfloat16), 16, causal=False)
+    assert not attention_serves(torch.zeros(1, 9, 3 * 4 * 48, dtype=torch.bfloat16), 48, causal=False)
+    assert not attention_serves(qkv.float(), 64, causal=False)
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    assert not attention_serves(qkv, 64, causal=False)  # on a CPU without the interpreter
 
 
 def test_before_hopper_the_kernels_with_tma_copies_give_way_to_the_plain_formulas(monkeypatch):
@@ -358,15 +360,15 @@ def test_before_hopper_the_kernels_with_tma_copies_give_way_to_the_plain_formula
     with FakeTensorMode():
         qkv = torch.empty(2, 97, 3 * 8 * 64, dtype=torch.bfloat16, device="cuda")
         gate_up = torch.empty(6, 4, 2 * 128, dtype=torch.bfloat16, device="cuda")
-    monkeypatch.setattr(kernels, "_registered", True)
+    monkeypatch.setattr(kernels, "_loaded", True)
     monkeypatch.setattr(kernels, "_descriptors", True)
     asked = []
     for capability, served in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
-        monkeypatch.setattr(kernels, "_capability", lambda device, c=capability: asked.append(device) or c)
-        assert kernels.fused_attention_available(qkv, 64, causal=False) is served
-        assert kernels.fused_swiglu_down_available(gate_up, (64, 128)) is served  # its backward kernel's copies
+        monkeypatch.setattr(device, "capability", lambda d, c=capability: asked.append(d) or c)
+        assert attention_serves(qkv, 64, causal=False) is served
+        assert down_serves(gate_up, (64, 128)) is served  # its backward kernel's copies
         with torch.no_grad():  # the no-grad rounds' kernel loads through pointers, on any GPU
-            assert kernels.fused_swiglu_down_available(gate_up, (64, 128))
+            assert down_serves(gate_up, (64, 128))
     assert set(asked) == {torch.device("cuda", 0)}
 
 
@@ -377,12 +379,12 @@ def test_torch_compile_reads_the_gpus_capability_as_a_constant_without_a_graph_b
         torch._dynamo.graph_break()  # as torch.cuda's query might: traced, this would break the graph
         return capability[device.type]
 
-    monkeypatch.setattr(kernels, "_capability", read)
+    monkeypatch.setattr(device, "capability", read)
     torch._dynamo.reset()
 
     @torch.compile(backend="eager", fullgraph=True)  # a graph break raises
     def branch(x: torch.Tensor) -> torch.Tensor:
-        return x + 1 if kernels._tma_device(x.device) else x - 1
+        return x + 1 if device.tma_device(x.device) else x - 1
 
     assert branch(torch.zeros(2)).tolist() == [1.0, 1.0]
     torch._dynamo.reset()
@@ -393,11 +395,12 @@ def test_torch_compile_reads_the_gpus_capability_as_a_constant_without_a_graph_b
 ATTENTION_SCRIPT = """
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from raytrm.models import kernels
+from raytrm.fastpaths import triton as kernels
 from raytrm.models.layers import Attention, RotaryEmbedding
-from tests.unit.models.test_kernels import assert_as_close_to_exact, attention_results
+from tests.unit.fastpaths.interpreter import count_runs
+from tests.unit.fastpaths.test_triton import assert_as_close_to_exact, attention_results
 
-assert kernels.register()
+assert kernels.load()
 torch.manual_seed(0)
 
 # Sudoku's 97 positions (no multiple of a block), and a head of 32 over a handful: 9 heads, so each of the
@@ -432,9 +435,7 @@ assert torch.equal(backward(shifted(qkv), cos, sin, shifted(out), lse, shifted(g
 # In the attention: the operator serves whole sequences with RoPE, and not the causal one.
 cos, sin = RotaryEmbedding(32, 97, 10000.0)()
 x = torch.randn(2, 97, 64).bfloat16()
-calls = []
-operator = kernels.rope_attention
-kernels.rope_attention = lambda *a: calls.append(1) or operator(*a)
+calls = count_runs("rope_attention", "triton")
 for causal, expected in ((False, [1]), (True, [])):
     calls.clear()
     attention = Attention(64, 2, causal=causal).bfloat16()
@@ -491,11 +492,14 @@ INTERPRETER_SCRIPT = """
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from raytrm.config import ModelConfig
-from raytrm.models import TRM, kernels
-from raytrm.models.layers import SwiGLU, cast
-from tests.unit.models.test_kernels import assert_within_a_rounding, exact_mix
+from raytrm.fastpaths import triton as kernels
+from raytrm.models import TRM
+from raytrm.models.layers import SwiGLU
+from raytrm.models.ops import cast
+from tests.unit.fastpaths.interpreter import count_runs
+from tests.unit.fastpaths.test_triton import assert_within_a_rounding, exact_mix
 
-assert kernels.register()
+assert kernels.load()
 torch.manual_seed(0)
 # Sudoku's 97 positions (81 cells and 16 puzzle slots) and a width that is no multiple of a block of columns.
 for positions, columns in ((97, 300), (30, 70)):
@@ -523,13 +527,11 @@ batch = {
     "labels": torch.randint(0, 11, (4, 81)),
     "puzzle_identifiers": torch.zeros(4, dtype=torch.long),
 }
-calls = []
-kernel = kernels.mix_positions_norm
-kernels.mix_positions_norm = lambda *a: calls.append(1) or kernel(*a)
+calls = count_runs("mix_positions_norm", "triton")
 with torch.no_grad():
     fused = model(model.initial_carry(batch), batch)[1]["logits"].float()
     assert len(calls) == 2 * 3 * 2, len(calls)  # rounds x (L_cycles + 1) x layers
-    kernels._registered = False
+    kernels._loaded = False
     plain = model(model.initial_carry(batch), batch)[1]["logits"].float()
     reference = exact(exact.initial_carry(batch), batch)[1]["logits"]
 fused_error, plain_error = (fused - reference).abs().mean(), (plain - reference).abs().mean()
@@ -548,7 +550,7 @@ def test_the_kernel_equals_the_plain_formulas_within_a_rounding_in_tritons_inter
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_on_cuda_the_kernel_equals_the_plain_formulas_within_a_rounding(dtype):
-    assert kernels.register()
+    assert kernels.load()
     torch.manual_seed(0)
     mlp = SwiGLU(97, 4.0).cuda()
     x = (3 * torch.randn(97, 768 * 64, device="cuda")).to(dtype)
@@ -570,7 +572,7 @@ def test_on_cuda_the_kernel_equals_the_plain_formulas_within_a_rounding(dtype):
 def test_on_cuda_every_tile_the_autotuner_may_pick_gives_the_same_bits():
     import triton
 
-    from raytrm.models import _triton_kernels as tk
+    from raytrm.fastpaths.triton import mix as tk
 
     torch.manual_seed(0)
     positions, columns = 97, 96 * 256
@@ -578,7 +580,7 @@ def test_on_cuda_every_tile_the_autotuner_may_pick_gives_the_same_bits():
     x = (3 * torch.randn(positions, columns, device="cuda")).bfloat16()
     inner = mlp.down_proj.weight.shape[1]
     w_gate_up, w_down = cast(mlp.gate_up_proj.weight, x.dtype), cast(mlp.down_proj.weight, x.dtype)
-    w_gate_up_t, w_down_t = kernels.padded_weights(w_gate_up, w_down, 128)
+    w_gate_up_t, w_down_t = tk.padded_weights(w_gate_up, w_down, 128)
     outputs = []
     for config in tk._CONFIGS:
         y = torch.empty_like(x)
@@ -610,7 +612,7 @@ def test_on_cuda_every_tile_the_autotuner_may_pick_gives_the_same_bits():
 def test_on_cuda_every_launch_the_attention_autotuners_may_pick_gives_the_same_bits():
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from raytrm.models import _triton_kernels as tk
+    from raytrm.fastpaths.triton import attention as tk
 
     torch.manual_seed(0)
     B, L, H, D = 48, 97, 8, 64
@@ -618,7 +620,7 @@ def test_on_cuda_every_launch_the_attention_autotuners_may_pick_gives_the_same_b
     grad = torch.randn(B, L, H * D, device="cuda").bfloat16()
     cos, sin = RotaryEmbedding(D, 128, 10000.0).cuda()()
     multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count
-    kernels.register()
+    kernels.load()
 
     def run(kernel, config, tiles, lse):
         descriptors = [TensorDescriptor.from_tensor(t, [1, 128, D // 2 if half else D]) for t, half in tiles]
@@ -651,7 +653,7 @@ def test_on_cuda_every_tile_the_down_projections_backward_autotuner_may_pick_giv
     import triton
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from raytrm.models import _triton_kernels as tk
+    from raytrm.fastpaths.triton import down as tk
 
     torch.manual_seed(0)
     M, N, F = 3000, 512, 1536
@@ -682,9 +684,9 @@ def test_on_cuda_every_tile_the_down_projections_backward_autotuner_may_pick_giv
 @needs_triton
 @pytest.mark.parametrize("dim", [0, -1])
 def test_on_cuda_the_gate_operator_equals_the_plain_formulas_eager_and_compiled(dim):
-    from raytrm.models.layers import _SwiGLUGate
+    from raytrm.models.ops import _SwiGLUGate
 
-    assert kernels.register()
+    assert kernels.load()
     torch.manual_seed(0)
     shape = (2 * 512, 768 * 8) if dim == 0 else (768, 8, 2 * 1536)
     x = (3 * torch.randn(shape, device="cuda")).bfloat16()
@@ -705,9 +707,9 @@ def test_on_cuda_the_gate_operator_equals_the_plain_formulas_eager_and_compiled(
 @needs_cuda
 @needs_triton
 def test_on_cuda_the_swiglu_down_operator_equals_the_plain_formulas_eager_and_compiled():
-    from raytrm.models.layers import _SwiGLUGate
+    from raytrm.models.ops import _SwiGLUGate
 
-    assert kernels.register()
+    assert kernels.load()
     torch.manual_seed(0)
     gate_up = (2 * torch.randn(96, 97, 2 * 1536, device="cuda")).bfloat16()
     w = (torch.randn(512, 1536, device="cuda") * 1536**-0.5).bfloat16()
@@ -745,7 +747,7 @@ def test_on_cuda_the_swiglu_down_operator_equals_the_plain_formulas_eager_and_co
 @needs_cuda
 @needs_triton
 def test_on_cuda_the_rope_operator_equals_the_plain_rotation_eager_and_compiled():
-    assert kernels.register()
+    assert kernels.load()
     torch.manual_seed(0)
     batch, positions, heads, head_dim = 64, 97, 8, 64
     cos, sin = RotaryEmbedding(head_dim, positions, 10000.0).cuda()()
@@ -780,7 +782,7 @@ def test_on_cuda_the_rope_operator_equals_the_plain_rotation_eager_and_compiled(
 @needs_cuda
 @needs_triton
 def test_on_cuda_the_attention_operator_is_as_close_to_exact_as_cudnns_eager_and_compiled():
-    assert kernels.register()
+    assert kernels.load()
     torch.manual_seed(0)
     batch, positions, heads, head_dim = 64, 97, 8, 64
     cos, sin = RotaryEmbedding(head_dim, positions, 10000.0).cuda()()

@@ -1,4 +1,4 @@
-"""Linear layers on oneDNN (raytrm.models.onednn): F.linear's values and gradients within fp32 rounding, counted as
+"""Linear layers on oneDNN (raytrm.fastpaths.onednn): F.linear's values and gradients within fp32 rounding, counted as
 F.linear is, and F.linear itself wherever oneDNN's linear does not serve."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from raytrm.models import onednn
+from raytrm.fastpaths import onednn
 from raytrm.models.layers import Linear
 
 needs_onednn = pytest.mark.skipif(not onednn.ENABLED, reason="needs oneDNN's linear (torch on an x86-64 CPU)")
@@ -109,7 +109,7 @@ def test_without_onednn_a_linear_is_f_linear_to_the_bit(monkeypatch):
 
 @needs_onednn
 def test_the_flop_counter_counts_it_as_f_linear():
-    onednn.register_flops()
+    onednn.load()
     layer = Linear(48, 40)
     x = torch.randn(3, 11, 48, requires_grad=True)
     counts = []

@@ -1,21 +1,18 @@
 """Half-precision matrix products on NVIDIA GPUs with the cuBLASLt algorithm measured fastest for each shape.
 
-torch.mm asks cuBLAS, which runs the first algorithm of its heuristic. At TRM's shapes that is often not the fastest
-of the algorithms cuBLASLt's heuristic offers: on an H200 (2026-11-26, build/lt_probe.py, medians of CUDA-event
-timings over three inputs), at batch 768 of Sudoku (74,496 rows) the attention's qkv projection, [74,496 x 512] @
-[512 x 1536], took 162 us with one of the eight against 205 for torch.mm; the feature SwiGLU's [512 x 3072] 323 us
-against 345-387; the output projection, [512 x 512], 69 against 76-78.
-
-So, as PyTorch's TunableOp does for ROCm's libraries (on CUDA it has only cuBLAS's default), the first call of each
+torch.mm asks cuBLAS, which runs the first algorithm of its heuristic; at TRM's shapes that is often not the fastest
+of those cuBLASLt's heuristic offers. So, as PyTorch's TunableOp does for ROCm's libraries, the first call of each
 shape times the heuristic's algorithms and torch.mm on the call's own operands, and that shape keeps the fastest for
 the rest of the process. Only an algorithm whose result equals torch.mm's to the bit on that call may win, so the
 choice changes how fast a product runs, never what it gives: algorithms that sum in another order (split-K ones)
 show it at once on tens of millions of outputs. The choices are logged, one line a shape.
 
-`linear` serves raytrm's Linear layers, forward and both gradients, through the operator torch.ops.raytrm.mm
-(`mm` is its differentiable form), which torch.compile keeps as it is where it would call cuBLAS itself. cuBLASLt is
-the copy torch loaded, called through ctypes; where there is none (CPU builds of torch), or off CUDA, or in other
-dtypes, products are torch.mm's.
+It serves the operation linear (raytrm's Linear layers, forward and both gradients) through the operator
+torch.ops.raytrm.mm (`mm` is its differentiable form), which torch.compile keeps as it is where it would call cuBLAS
+itself. cuBLASLt is the copy torch loaded, called through ctypes; where there is none (CPU builds of torch), or off
+CUDA, or in other dtypes, products are torch.mm's. Outputs of a width that is no multiple of 8 (TRM's heads: the
+vocabulary's 11, halting's 2) come from zero rows padded to one, on cuBLASLt or on torch's product: cuBLAS's kernels
+for unaligned widths are several times slower.
 """
 
 from __future__ import annotations
@@ -28,13 +25,17 @@ import statistics
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from raytrm.fastpaths.registry import Backend
+from raytrm.hardware import device as devices
 
 logger = logging.getLogger(__name__)
 
 #: Tests and A/B runs turn this off: products then run torch.mm, through the same operator.
 ENABLED = True
 
-#: How many algorithms to ask cuBLASLt's heuristic for (it offered 8 at TRM's shapes on an H200).
+#: How many algorithms to ask cuBLASLt's heuristic for (it offers fewer at TRM's shapes).
 CANDIDATES = 16
 #: The workspace an algorithm may use, one a device (_workspace).
 WORKSPACE_BYTES = 32 * 1024 * 1024
@@ -108,23 +109,24 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 
 
 _lib: ctypes.CDLL | None = None
+_why_not: str | None = None
 _loaded = False
 
 
-def register() -> bool:
+def load() -> bool:
     """Load cuBLASLt, once a process; True where it loaded. Called when a model is built, so that under torch.compile
-    `serves` reads a settled module state."""
-    global _lib, _loaded
+    the conditions read a settled module state."""
+    global _lib, _why_not, _loaded
     if not _loaded:
-        _lib, why_not = _load()
+        _lib, _why_not = _load()
         _loaded = True
         if _lib is None:
-            logger.debug("Half-precision products run on torch.mm: %s", why_not)
+            logger.debug("Half-precision products run on torch.mm: %s", _why_not)
     return _lib is not None
 
 
 def _library() -> ctypes.CDLL:
-    register()
+    load()
     assert _lib is not None, "cuBLASLt is not loaded"
     return _lib
 
@@ -176,8 +178,8 @@ _ALPHA_REF, _BETA_REF = ctypes.byref(_ALPHA), ctypes.byref(_BETA)
 
 
 def _raw_stream(device: int) -> int:
-    """The current stream's handle (torch's private accessor, as inductor's generated code uses it: 0.2 us against
-    2.7 for torch.cuda.current_stream)."""
+    """The current stream's handle (torch's private accessor, as inductor's generated code uses it: several times
+    faster than torch.cuda.current_stream)."""
     return torch._C._cuda_getCurrentRawStream(device)
 
 
@@ -203,11 +205,11 @@ def prepare(device: torch.device) -> None:
     """Make the device's handle and workspace now, not on its first product.
 
     Under torch.compile's CUDA graphs that first product runs in a graph's warm-up, whose allocations come from the
-    graphs' private pool even on a stream of their own (torch 2.11, H200): the workspace made there outlived the
-    graph untracked, and torch refused the graphs ("Detected 1 tensor(s) in the cudagraph pool not tracked as
-    outputs"): the round fell back to eager, and the same error in a backward's warm-up ended the step.
-    raytrm.train.compile calls this before it compiles a region with graphs."""
-    if device.type == "cuda" and register():
+    graphs' private pool even on a stream of their own: the workspace made there outlives the graph untracked, and
+    torch refuses the graphs ("Detected 1 tensor(s) in the cudagraph pool not tracked as outputs"): the round falls
+    back to eager, and the same error in a backward's warm-up ends the step. raytrm.train.compile calls this before
+    it compiles a region with graphs."""
+    if device.type == devices.CUDA and load():
         index = torch.cuda.current_device() if device.index is None else device.index
         _handle(index)
         _workspace(index)
@@ -311,14 +313,14 @@ def _tune(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alignment: int) -
 def available(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a @ b may run on cuBLASLt: 2-D CUDA tensors of one half dtype, each row- or column-major."""
     return (
-        a.device.type == "cuda"
+        a.device.type == devices.CUDA
         and a.dim() == b.dim() == 2
         and a.dtype == b.dtype
         and a.dtype in _DTYPES
         and a.shape[0] * a.shape[1] * b.shape[1] > 0
         and operand(a) is not None
         and operand(b) is not None
-        and register()
+        and load()
     )
 
 
@@ -356,8 +358,8 @@ def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# The operator: a plain dispatcher operator (torch.library.custom_op's wrapping cost 13 us of host time a call,
-# against 6 for this; about 170 products a TRM-attention step), with its gradients from _Product below.
+# The operator: a plain dispatcher operator (torch.library.custom_op's wrapping costs twice the host time a call, and
+# a step runs some 170 products), with its gradients from _Product below.
 _OPERATORS = torch.library.Library("raytrm", "FRAGMENT")
 _OPERATORS.define("mm(Tensor a, Tensor b) -> Tensor")
 _OPERATORS.impl("mm", product, "CompositeExplicitAutograd")
@@ -407,14 +409,14 @@ def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     with both of the weight's sides multiples of 8 (rows of 16 bytes).
 
     Other widths are left to torch.mm: under torch.compile inductor pads them to such multiples, which the operator,
-    opaque to it, would forgo. TRM-MLP's position mixing (97 positions) ran 0.85x as fast a step on an H100 through
-    the operator, its products on CUTLASS's unaligned kernels (0.66 to 1.01 ms against 0.30 to 0.36).
+    opaque to it, would forgo (TRM-MLP's position mixing, 97 positions, ran slower through it, on CUTLASS's unaligned
+    kernels).
     """
     out_features, in_features = weight.shape
     return (
         ENABLED
         and _lib is not None
-        and x.device.type == "cuda"
+        and x.device.type == devices.CUDA
         and x.dtype in _DTYPES
         and weight.dtype == x.dtype
         and in_features % 8 == 0
@@ -426,3 +428,63 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) (no bias: F.linear adds one inside cuBLAS's product, rounding once) with its products,
     forward and backward, on torch.ops.raytrm.mm."""
     return mm(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
+
+
+def _padded(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """weight (and bias) with zero rows up to a multiple of 8 outputs, and the outputs it had."""
+    out_features = weight.shape[0]
+    padding = -out_features % 8
+    if not padding:
+        return weight, bias, out_features
+    return F.pad(weight, (0, 0, 0, padding)), None if bias is None else F.pad(bias, (0, padding)), out_features
+
+
+def _half_on_cuda_why_not(x: torch.Tensor) -> str | None:
+    if x.device.type != devices.CUDA:
+        return "not on a CUDA GPU"
+    return None if x.dtype in _DTYPES else "not half precision"
+
+
+def linear_why_not(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
+    """The operation linear's, on cuBLASLt: serves' conditions, the output width padded to a multiple of 8; no bias
+    (F.linear adds one inside cuBLAS's product)."""
+    if why := _half_on_cuda_why_not(x):
+        return why
+    if bias is not None:
+        return "a bias"
+    if not ENABLED:
+        return "turned off (cublaslt.ENABLED)"
+    if _lib is None:
+        return _why_not or "not loaded (fastpaths.prepare() loads it)"
+    if weight.dtype != x.dtype:
+        return "the weight is in another dtype"
+    if weight.shape[1] % 8:
+        return "the input width is no multiple of 8 (inductor pads those itself)"
+    return None
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The operation linear on cuBLASLt, the output width padded to a multiple of 8 and cut back."""
+    weight, _, out_features = _padded(weight, None)
+    y = linear(x, weight)
+    return y if weight.shape[0] == out_features else y[..., :out_features]
+
+
+def torch_padded_why_not(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
+    """The operation linear's, on torch's product with the output width padded: half precision on CUDA, an output
+    width that is no multiple of 8."""
+    if why := _half_on_cuda_why_not(x):
+        return why
+    return None if weight.shape[0] % 8 else "the output width is a multiple of 8"
+
+
+def torch_padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with the output width padded to a multiple of 8 and cut back."""
+    weight, bias, out_features = _padded(weight, bias)
+    return F.linear(x, weight, bias)[..., :out_features]
+
+
+BACKENDS = (
+    Backend("linear", "cublaslt", linear_why_not, padded_linear),
+    Backend("linear", "torch-padded", torch_padded_why_not, torch_padded_linear),
+)

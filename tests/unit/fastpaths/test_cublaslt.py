@@ -1,6 +1,6 @@
-"""Products on cuBLASLt (raytrm.models.cublaslt): torch.mm's bits, forward and backward, with each shape timed once;
+"""Products on cuBLASLt (raytrm.fastpaths.cublaslt): torch.mm's bits, forward and backward, with each shape timed once;
 torch.mm wherever cuBLASLt does not serve. The layouts it hands cuBLASLt are checked here on the CPU by reading the
-operands' memory as cuBLASLt does; the products themselves run on the lent GPU machine."""
+operands' memory as cuBLASLt does; the products themselves need a CUDA GPU."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from raytrm.models import cublaslt
+from raytrm.fastpaths import cublaslt
 from raytrm.models.layers import Linear
-from tests.unit.models.test_onednn import OpsSeen
+from tests.unit.fastpaths.test_onednn import OpsSeen
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the lent GPU machine)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def as_cublaslt_reads(t: torch.Tensor) -> torch.Tensor:
@@ -118,7 +118,7 @@ def test_on_cuda_each_shape_is_timed_once_and_its_choice_logged(caplog):
     a = torch.randn(2048, 256, device="cuda").bfloat16()
     b = torch.randn(256, 768, device="cuda").bfloat16()
     before = len(cublaslt._plans)
-    with caplog.at_level(logging.INFO, logger="raytrm.models.cublaslt"):
+    with caplog.at_level(logging.INFO, logger="raytrm.fastpaths.cublaslt"):
         first = torch.ops.raytrm.mm(a, b)
         again = torch.ops.raytrm.mm(a, b)
     assert len(cublaslt._plans) == before + 1
