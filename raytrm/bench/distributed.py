@@ -31,9 +31,10 @@ import torch
 from raytrm import config as cfg
 from raytrm.data.build import build_dataset
 from raytrm.distributed.launch import spawn
-from raytrm.distributed.peers import Peers
-from raytrm.distributed.sync import LocalSync, ProcessGroupSync
+from raytrm.distributed.process_group import ProcessGroupSync
 from raytrm.hardware import device as devices
+from raytrm.train.peers import Peers
+from raytrm.train.sync import LocalSync
 from raytrm.train.tasks import TRMTask
 from raytrm.train.trainer import Trainer
 

@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from raytrm import config as cfg
-from raytrm.distributed.peers import Peers
-from raytrm.distributed.sync import GradientSync
 from raytrm.errors import UserError
 from raytrm.hardware.pressure import MemoryReader
 from raytrm.hardware.thermal import ThermalReader
@@ -23,6 +21,8 @@ from raytrm.train import checkpoint as ckpt
 from raytrm.train.adaptive import GovernorSettings, MemoryGovernor
 from raytrm.train.metrics import MetricsLog, Progress
 from raytrm.train.peak import PeakMemory, trim_heap
+from raytrm.train.peers import Peers
+from raytrm.train.sync import GradientSync
 from raytrm.train.thermal_guard import ThermalGuard
 from raytrm.train.threads import apply_threads
 from raytrm.train.trainer import Trainer

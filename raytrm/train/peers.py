@@ -10,7 +10,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from raytrm.distributed.shares import ShareBalancer
+from raytrm.train.shares import ShareBalancer
 from raytrm.train.trainer import StepResult, Trainer
 
 logger = logging.getLogger(__name__)
