@@ -79,7 +79,7 @@ def timed_steps(
     for k in range(warmup + steps):
         start = time.perf_counter()
         result = trainer.train_step()
-        peers.after_step(result)
+        peers.exchange(result)
         if k >= warmup:
             times.append(time.perf_counter() - start)
             compute.append(result.compute_seconds)

@@ -10,11 +10,11 @@ import pytest
 from raytrm import config as cfg
 from raytrm.bench.tune import replay_horizon, truncated
 from raytrm.errors import ConfigError, UserError
+from raytrm.train.schedule import evaluate_quality
 from raytrm.train.tasks import _standard_error
 from raytrm.train.trainer import Trainer
 from raytrm.tune.curves import extrapolate, is_speed_knob, learning_curve, quality_at, rungs
 from raytrm.tune.space import space_from_dict
-from raytrm.tune.trial import _evaluate
 
 
 def test_rungs_are_whole_batches_a_factor_apart_up_to_the_horizon():
@@ -44,7 +44,7 @@ def test_curve_points_equal_training_that_many_samples_and_evaluating(tiny):
     reference = Trainer(config)
     for _ in range(5):  # 160 samples = 5 steps of 32
         reference.train_step()
-    expected = _evaluate(reference, config, reference.micro_batch, 32, "eval_cell_acc")
+    expected = evaluate_quality(reference, 32, "eval_cell_acc")
     assert curve["points"][1]["quality"] == expected["quality"]
     assert curve["points"][1]["stderr"] == expected["eval"]["eval_cell_acc_se"] > 0
 
