@@ -31,9 +31,10 @@ import torch
 from raytrm import config as cfg
 from raytrm.data.build import build_dataset
 from raytrm.distributed.launch import spawn
-from raytrm.distributed.peers import Peers
-from raytrm.distributed.sync import LocalSync, ProcessGroupSync
+from raytrm.distributed.process_group import ProcessGroupSync
 from raytrm.hardware import device as devices
+from raytrm.train.peers import Peers
+from raytrm.train.sync import LocalSync
 from raytrm.train.tasks import TRMTask
 from raytrm.train.trainer import Trainer
 
@@ -78,7 +79,7 @@ def timed_steps(
     for k in range(warmup + steps):
         start = time.perf_counter()
         result = trainer.train_step()
-        peers.after_step(result)
+        peers.exchange(result)
         if k >= warmup:
             times.append(time.perf_counter() - start)
             compute.append(result.compute_seconds)

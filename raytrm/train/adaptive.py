@@ -1,12 +1,13 @@
 """Memory-adaptive batching: choose the micro-batch from measured peaks, shrink under pressure, grow back.
 
 The governor only decides how a global batch is cut; the trainer guarantees the cut never changes the samples or
-the gradient (DESIGN.md invariant 1). It probes on real training steps, smallest cut first, because a re-cut step is
-as good as any other: nothing is spent on probing. A line fitted to the small probe cuts predicts large ones
-poorly (two peaks 8 samples apart, each a few tens of MiB off, can give a slope 20% off), so the chosen cut is
-approached at most doubling per step, refitting on each step's peak: the last move extrapolates from a cut at least
-half its size. Decisions are pure functions of what it is told (step peaks, pressure, out-of-memory errors), so
-tests script them.
+the gradient. It probes on real training steps, smallest cut first, because a re-cut step is as good as any other:
+nothing is spent on probing. A line fitted to the small probe cuts predicts large ones poorly (two peaks 8 samples
+apart, each a few tens of MiB off, can give a slope 20% off), so the chosen cut is approached at most doubling per
+step, refitting on each step's peak: the last move extrapolates from a cut at least half its size. A trial's
+governor holds instead: it probes two smaller cuts of the asked micro-batch, fits, and then keeps the asked one,
+whose predicted peak the trial checks against the budget. Decisions are pure functions of what it is told (step
+peaks, pressure, out-of-memory errors), so tests script them.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class MemoryGovernor:
     global_batch: int
     max_micro_batch: int
     settings: GovernorSettings = field(default_factory=GovernorSettings)
+    #: The cuts measured before the fit, smallest first; empty: a few small ones (see __post_init__).
+    probe_cuts: tuple[int, ...] = ()
+    #: After the probe, keep max_micro_batch whatever the fit says, and never re-cut (a trial measures its cut).
+    hold: bool = False
     events: list[dict] = field(default_factory=list)
     fit: MemoryFit | None = None
     target: int | None = None
@@ -55,16 +60,28 @@ class MemoryGovernor:
 
     def __post_init__(self) -> None:
         top = min(self.max_micro_batch, self.global_batch)
-        # Small, increasing probe cuts: the first step warms up at the smallest (one-time allocations land there).
-        first = max(1, min(4, top // 8 or 1))
-        self._probe = sorted({first, min(top, 2 * first), min(top, 4 * first)})
-        while len(self._probe) < self.settings.probe_steps:
-            self._probe.insert(0, self._probe[0])
-        self._current = self._probe[0]
+        if self.probe_cuts or self.hold:
+            self._probe = list(self.probe_cuts)
+        else:
+            # Small, increasing probe cuts: the first step warms up at the smallest (one-time allocations land there).
+            first = max(1, min(4, top // 8 or 1))
+            self._probe = sorted({first, min(top, 2 * first), min(top, 4 * first)})
+            while len(self._probe) < self.settings.probe_steps:
+                self._probe.insert(0, self._probe[0])
+        self._current = self._probe[0] if self._probe else top
 
     @property
     def micro_batch(self) -> int:
         return self._current
+
+    @property
+    def probing(self) -> bool:
+        """The next step is a probe step: its cut is measured for the fit, not yet chosen."""
+        return bool(self._probe)
+
+    def predicted_peak(self, micro_batch: int) -> float | None:
+        """The fit's peak at a micro-batch, in bytes; None before the fit."""
+        return self.fit.predict(micro_batch) if self.fit is not None else None
 
     def _event(self, step: int, kind: str, new: int, reason: str) -> None:
         event = {
@@ -87,7 +104,13 @@ class MemoryGovernor:
             if self._probe:
                 self._current = self._probe[0]
                 return self._current
+            if self.hold:
+                self._refit()
+                self._current = min(self.max_micro_batch, self.global_batch)
+                return self._current
             return self._choose(step)
+        if self.hold:
+            return self._current
         budget = self.budget_bytes
         if peak_bytes > self.settings.high_water * budget or pressure in ("warn", "critical"):
             why = (

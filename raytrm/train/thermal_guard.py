@@ -3,17 +3,22 @@
 Fed once per step with the thermal state where a sensor answers, and always with the step's throughput: at constant
 work a sustained fall in samples/s is how throttling shows on a machine without sensors (most Linux VMs, and a Mac
 whose NSProcessInfo is unsupported), so the guard infers "serious" from it. Decisions are pure functions of what it
-is told; the training loop applies them (threads, micro-batch, sleep) and logs them.
+is told; its hook (`ThermalHook`) applies them in the training loop (threads, micro-batch, sleep) and logs them.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from raytrm.config import THERMAL_STATES
+from raytrm.hardware.thermal import ThermalReader
+from raytrm.train.loop import Hook, Loop, Step
+from raytrm.train.threads import apply_threads
 
 logger = logging.getLogger(__name__)
 
@@ -138,3 +143,40 @@ class ThermalGuard:
                     return Decision(threads=self.threads, event=event)
                 return Decision(micro_batch_scale=2.0, event=event)
         return Decision()
+
+
+class ThermalHook(Hook):
+    """The heat in the loop: read at each step where a guard acts on it, else only for the steps with a metrics row
+    (which shows it); the guard's decisions are applied before the next step."""
+
+    def __init__(self, reader: ThermalReader, guard: ThermalGuard | None = None) -> None:
+        self.reader, self.guard = reader, guard
+
+    def after_step(self, loop: Loop, step: Step) -> None:
+        if self.guard is None and not step.logged:
+            return
+        step.heat = self.reader.read()
+        if self.guard is None:
+            return
+        result = step.result
+        decision = self.guard.observe(result.step, step.heat.get("thermal_state"), result.samples / result.seconds)
+        if decision.event:
+            step.events.append(decision.event)
+        if decision.threads:
+            apply_threads(decision.threads)
+            self.guard.reset_baseline()
+        if decision.micro_batch_scale:
+            loop.micro_batch_scale = min(1.0, loop.micro_batch_scale * decision.micro_batch_scale)
+        if decision.pause_s:
+            time.sleep(decision.pause_s)
+
+    def on_recut(self, loop: Loop) -> None:
+        if self.guard is not None:
+            self.guard.reset_baseline()  # the work per step changed: throughput is measured afresh
+
+    def summary(self) -> dict[str, Any]:
+        """The heat's part of summary.json."""
+        return {
+            "thermal_max": self.guard.hottest if self.guard is not None else None,
+            "thermal_events": list(self.guard.events) if self.guard is not None else [],
+        }

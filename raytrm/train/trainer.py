@@ -1,13 +1,25 @@
-"""The one Trainer: alone, inside a Tune trial or inside a Ray Train worker, the same training loop.
+"""The one Trainer: alone, inside a Tune trial or inside a Ray Train worker, the same optimizer steps.
 
-Life cycle (as torchtitan's): `__init__` builds every component from its config, `train_step` does one optimizer
-step over one global batch (micro-batches x accumulation), `train` loops until the step count or the time budget,
-`evaluate` scores the EMA weights on held-out data, `state_dict` / `load_state_dict` capture everything a resume
-needs, `close` releases files. Ray code wraps a Trainer; it never reaches into it. Data-parallel training hands it
-a sync object (raytrm.distributed.sync) and its share of each global batch: it trains its own slots and asks the sync
-object for the rest (summed gradients and metrics, the carry of slots that move). What differs between model
-families (TRM's carry and halting, the transformer's losses, their data and evaluations) is a task
-(raytrm.train.tasks) the Trainer builds from the config.
+Life cycle (as torchtitan's):
+- construction: `Trainer(config, run_dir, threads=, interop_threads=, sync=, shares=)` applies the thread counts,
+  picks the device and dtype, and builds from the config a task (raytrm.train.tasks: the model family's data, model,
+  losses and evaluation; TRM's carry and sparse optimizer), the optimizer, the EMA and the compiled regions. It is
+  handed a sync object (the contract of raytrm.train.sync; `LocalSync` alone) and this worker's share of each
+  global batch; run_dir is recorded only (the run loop writes the directory).
+- `train_step` does one optimizer step over one global batch: this worker's slots, cut into micro-batches, then the
+  sync object's sums (gradients, metrics, carry slots that move) and the optimizer, and returns a `StepResult`;
+  given `on_out_of_memory`, a step the allocator refuses is redone from the same state at the smaller cut it returns.
+  `forward_backward` and `optimizer_step` are its two halves, for checks that look at the gradient in between.
+  `set_micro_batch` and `set_shares` re-cut the following global batches; neither changes a step's samples or
+  gradient.
+- `evaluate` scores the EMA weights on the held-out split.
+- `state_dict` / `load_state_dict` capture everything a resume needs (model, optimizers, EMA, carry, step, RNG,
+  data position, config).
+- `close` releases the batch stream (and its loader processes), the overlapped all-reduce's hooks and the threads
+  of side-by-side micro-batches.
+
+The Trainer has no loop: raytrm.train.loop drives `train_step` and asks its hooks (memory, heat, evaluations, stop
+rules, peers, metrics, checkpoints) around each step. Ray code wraps a Trainer; it never reaches into it.
 """
 
 from __future__ import annotations
@@ -26,8 +38,6 @@ import torch
 
 from raytrm import config as cfg
 from raytrm.data.loader import global_batches
-from raytrm.distributed.shares import shard, split
-from raytrm.distributed.sync import GradientSync, LocalSync, OverlappedAllReduce
 from raytrm.fastpaths import onednn
 from raytrm.hardware import device as devices
 from raytrm.models.trm import Carry, rows
@@ -37,6 +47,8 @@ from raytrm.train.memory import cut
 from raytrm.train.metrics import ResourceSampler
 from raytrm.train.oom import is_out_of_memory
 from raytrm.train.optim import AdamATan2, ModelEMA
+from raytrm.train.shares import shard, split
+from raytrm.train.sync import GradientSync, LocalSync, OverlappedAllReduce
 from raytrm.train.tasks import Scalar, make_task
 from raytrm.train.threads import apply_threads
 

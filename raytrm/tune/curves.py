@@ -69,30 +69,36 @@ def learning_curve(
     Each point: samples seen, quality, its standard error over the evaluated examples (where the task reports one),
     and the training seconds so far (evaluation not counted). on_point, if given, gets each point as it is measured.
     """
+    from raytrm.train.loop import Loop
+    from raytrm.train.schedule import Evaluations, SampleLimit, evaluate_quality
     from raytrm.train.trainer import Trainer
-    from raytrm.tune.trial import _evaluate
 
     config = cfg.from_dict(cfg.ExperimentConfig, experiment, "<curve>")
     trainer = Trainer(config)
+    targets = sorted(at_samples)
     points: list[dict[str, Any]] = []
-    train_s = 0.0
+
+    def take(loop: Loop, index: int, scores: dict[str, Any]) -> None:
+        point = {
+            "samples": trainer.samples_seen,
+            "quality": scores["quality"],
+            "stderr": scores["eval"].get(f"{quality_metric}_se"),
+            "train_seconds": loop.now(),
+        }
+        points.append(point)
+        if on_point is not None:
+            on_point(point)
+
+    evaluations = Evaluations(
+        targets,
+        lambda loop: trainer.samples_seen,
+        lambda loop: evaluate_quality(trainer, eval_puzzles, quality_metric),
+        take,
+    )
+    loop = Loop(trainer, [SampleLimit(targets[-1] if targets else 0), evaluations], clock=clock, measure_peak=False)
     try:
-        micro = trainer.micro_batch
-        for target in sorted(at_samples):
-            while trainer.samples_seen < target:
-                start = clock()
-                trainer.train_step()
-                train_s += clock() - start
-            scores = _evaluate(trainer, config, micro, eval_puzzles, quality_metric)
-            point = {
-                "samples": trainer.samples_seen,
-                "quality": scores["quality"],
-                "stderr": scores["eval"].get(f"{quality_metric}_se"),
-                "train_seconds": train_s,
-            }
-            points.append(point)
-            if on_point is not None:
-                on_point(point)
+        loop.run()
+        train_s = loop.now()
     finally:
         trainer.close()
     return {"points": points, "samples_per_sec": trainer.samples_seen / max(train_s, 1e-9)}

@@ -1,11 +1,13 @@
-"""One tuning trial: the plain Trainer, run for a warm-up and a measured window, then a small evaluation.
+"""One tuning trial: the plain Trainer in the one training loop, run for a warm-up and a measured window (or to a
+horizon), then a small evaluation.
 
-A trial measures one thing (DESIGN.md invariant 4): sustained samples/s after warm-up, the peak memory of its steps
-(PeakMemory: the kernel's high-water mark on Linux), the hottest thermal state seen ("unknown" without a sensor),
-the throughput decay from the start to the end of the window, and the validation quality at the end of its budget.
-Before the full micro-batch runs, two probe steps at a quarter and a half of it fit the memory model; a predicted
-peak over the budget stops the trial as over budget, with the prediction, rather than letting the kernel kill it.
-A trial that fails reports what it measured and status "failed": it never vanishes.
+A trial measures one thing: sustained samples/s after warm-up, the peak memory of its steps (PeakMemory: the
+kernel's high-water mark on Linux), the hottest thermal state seen ("unknown" without a sensor), the throughput
+decay from the start to the end of the window, and the validation quality at the end of its budget
+(raytrm.tune.window). With a memory budget the memory governor probes a quarter and a half of the micro-batch
+first; a predicted peak over the budget stops the trial as over budget, with the prediction, rather than letting
+the kernel kill it (raytrm.train.memory_budget). A trial that fails reports what it measured and status "failed":
+it never vanishes.
 """
 
 from __future__ import annotations
@@ -13,19 +15,16 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from raytrm import config as cfg
-from raytrm.config import THERMAL_STATES
 
 logger = logging.getLogger(__name__)
 
 MiB = 2**20
-PROBE_MIN_MICRO = 4  # below this the probe steps would cost more than they tell
 PROGRESS_S = 5.0  # seconds between a trial's progress reports in its measured window
 
 
@@ -56,11 +55,6 @@ def resolve_for_node(experiment: dict[str, Any], limits: dict[str, Any]) -> tupl
         "efficiency_cores": hw.efficiency_cores,
     }
     return experiment, {**limits, "hardware": hardware}
-
-
-def _hotter(a: str | None, b: str | None) -> str | None:
-    known = [s for s in (a, b) if s in THERMAL_STATES]
-    return max(known, key=THERMAL_STATES.index) if known else None
 
 
 def measure(
@@ -102,10 +96,13 @@ def measure(
     evaluate_quality=False measures speed, memory and heat only (a speed trial: quality is left at 0).
     """
     from raytrm.hardware.thermal import ThermalReader
-    from raytrm.train import memory as memory_model
-    from raytrm.train.peak import PeakMemory
+    from raytrm.train.loop import Loop
+    from raytrm.train.memory_budget import MemoryBudget
+    from raytrm.train.schedule import Evaluations
+    from raytrm.train.schedule import evaluate_quality as evaluate
     from raytrm.train.trainer import Trainer
     from raytrm.tune.curves import horizon_rungs
+    from raytrm.tune.window import HeatCap, MeasuredWindow, ProgressReports
 
     result: dict[str, Any] = {
         "status": "ok",
@@ -121,179 +118,88 @@ def measure(
         "max_throughput_decay": max_throughput_decay,
         "started_at": time.time(),
     }
-    thermal = thermal_reader or ThermalReader()
-    hottest: str | None = None
-    trainer = None
-    budget_bytes = memory_budget_mb * MiB if memory_budget_mb else math.inf
-    off_clock = 0.0  # seconds spent evaluating, which the run's clock does not count
-    # (share of the run, evaluation number) of each evaluation, the last at the run's end
+    window = MeasuredWindow(warmup_s, measure_s, horizon, decay_window)
+    heat = HeatCap(thermal_reader or ThermalReader(), thermal_cap, window)
+    # (share of the run, evaluation number) of each evaluation, the last at the run's end; those before the end are
+    # for a pruner, or points of the curve to a horizon
     rungs = horizon_rungs(evaluations) if horizon else [((k + 1) / evaluations, k + 1) for k in range(evaluations)]
+    if report is None and not horizon:
+        rungs = rungs[-1:]
     curve: list[dict[str, Any]] = []
+    final: dict[str, Any] = {}  # the scores at the run's end
+    trainer: Trainer | None = None
+    memory: MemoryBudget | None = None
+    loop: Loop | None = None
 
-    def now() -> float:
-        return clock() - off_clock
+    def prediction() -> dict[str, Any]:
+        """The memory governor's predicted peak for the asked micro-batch, once its probe is fitted."""
+        return {"predicted_memory_mb": memory.predicted / MiB} if memory and memory.predicted is not None else {}
 
-    start = now()
-    peak = 0
-    window: list[tuple[float, int]] = []  # (end time, samples) of each measured step
-    warmup: list[tuple[float, int]] = []  # the same before the window (a horizon may end inside the warm-up)
-    window_start: float | None = None
+    def so_far(loop: Loop, whole: bool = True) -> dict[str, Any]:
+        """The result as measured up to now."""
+        return {**result, **prediction(), **window.figures(loop.trainer, loop.peak_bytes, whole=whole)}
 
-    def evaluate() -> dict[str, Any]:
-        scores = _evaluate(trainer, config, micro, eval_puzzles, quality_metric)
+    def take(loop: Loop, k: int, scores: dict[str, Any]) -> None:
         stderr = scores["eval"].get(f"{quality_metric}_se")
-        point = {"samples": trainer.samples_seen, "seconds": now() - start, "quality": scores["quality"]}
+        point = {"samples": loop.trainer.samples_seen, "seconds": loop.now(), "quality": scores["quality"]}
         curve.append({**point, "stderr": stderr})
-        return {**scores, "curve": list(curve)} if horizon else scores
+        scores = {**scores, "curve": list(curve)} if horizon else scores
+        if k == len(rungs) - 1:
+            final.update(scores)
+        elif report is not None:
+            share = {"horizon_share": rungs[k][0]} if horizon else {}
+            report({**so_far(loop), **scores, "evaluation": rungs[k][1], "final": False, **share})
+
+    def send_progress(loop: Loop) -> None:
+        if progress is not None:
+            progress({**so_far(loop, whole=False), "final": False})
 
     try:
         config = cfg.from_dict(cfg.ExperimentConfig, experiment, "<trial>")
         trainer = Trainer(config)
-        micro = config.training.micro_batch
-        start = now()  # the trainer is built: training starts
-
-        def position(t: float) -> float:
-            """How far through the run, 0 to 1."""
-            if horizon and horizon.get("samples"):
-                return trainer.samples_seen / horizon["samples"]
-            if horizon:
-                return (t - start) / (horizon["minutes"] * 60)
-            return (t - window_start) / measure_s if window_start is not None else 0.0
-
-        # Memory pre-check: fit the memory model on two small cuts of the same global batch (real training steps,
-        # part of the warm-up), predict the asked micro-batch, and stop before a step the machine cannot hold.
-        if memory_budget_mb and micro >= PROBE_MIN_MICRO:
-            points = []
-            for probe in (micro // 4, micro // 2):
-                trainer.set_micro_batch(probe)
-                with PeakMemory(trainer.device.type) as pm:
-                    trainer.train_step()
-                points.append((probe, pm.bytes))
-                peak = max(peak, pm.bytes)
-            predicted = memory_model.fit(points).predict(micro)
-            result["predicted_memory_mb"] = predicted / MiB
-            trainer.set_micro_batch(micro)
-            if predicted > budget_bytes:
-                result.update(status="over_budget", peak_memory_mb=predicted / MiB, steps=trainer.step)
-                return result
-        last_progress = 0.0
-        evaluated = 0  # evaluations done before the run's end
-        while True:
-            t = now()
-            if window_start is None and t - start >= warmup_s:
-                window_start = last_progress = t
-                hottest = _hotter(hottest, thermal.read().get("thermal_state"))
-            if position(t) >= 1:
-                break
-            if (
-                (report is not None or horizon)
-                and evaluated + 1 < len(rungs)
-                and position(t) >= rungs[evaluated][0]
-                and (window_start is not None or horizon)
-            ):
-                paused = clock()
-                partial = {**result, **_run_figures(window, window_start, warmup, start, peak, trainer, decay_window)}
-                partial.update(evaluate())
-                off_clock += clock() - paused
-                if report is not None:
-                    share = {"horizon_share": rungs[evaluated][0]} if horizon else {}
-                    report({**partial, "evaluation": rungs[evaluated][1], "final": False, **share})
-                evaluated += 1
-            if progress is not None and window_start is not None and window and t - last_progress >= PROGRESS_S:
-                last_progress = t
-                progress(
-                    {**result, **_window_figures(window, window_start, peak, trainer, decay_window), "final": False}
-                )
-            with PeakMemory(trainer.device.type) as pm:
-                step = trainer.train_step()
-            peak = max(peak, pm.bytes)
-            (window if window_start is not None else warmup).append((now(), step.samples))
-            if window_start is not None and len(window) % 10 == 0:
-                hottest = _hotter(hottest, thermal.read().get("thermal_state"))
-            if peak > budget_bytes:
+        memory = MemoryBudget.holding(trainer, memory_budget_mb) if memory_budget_mb else None
+        hooks = [
+            memory,
+            window,
+            heat,
+            Evaluations(
+                [share for share, _ in rungs],
+                window.position,
+                lambda loop: evaluate(trainer, eval_puzzles, quality_metric),
+                take,
+                final=evaluate_quality,
+            ),
+        ]
+        if progress is not None:
+            hooks.append(ProgressReports(window, PROGRESS_S, send_progress))
+        loop = Loop(trainer, [h for h in hooks if h is not None], clock=clock)
+        loop.run()
+        result.update(prediction())
+        if memory is not None and memory.over_budget == "predicted":  # its peak stands for the step not run
+            result.update(status="over_budget", peak_memory_mb=result["predicted_memory_mb"], steps=trainer.step)
+        else:
+            result.update(window.figures(trainer, loop.peak_bytes))
+            if memory is not None and memory.over_budget:
                 result["status"] = "over_budget"
-                break
-            if (
-                hottest is not None
-                and thermal_cap
-                and THERMAL_STATES.index(hottest) > THERMAL_STATES.index(thermal_cap)
-            ):
-                result["status"] = "too_hot"  # stop: the constraint is violated and the machine should cool
-                break
-        hottest = _hotter(hottest, thermal.read().get("thermal_state"))
-        result.update(_run_figures(window, window_start, warmup, start, peak, trainer, decay_window))
-        if result["status"] == "ok" and evaluate_quality:
-            result.update(evaluate())
-            if horizon:
-                result["horizon_samples"] = trainer.samples_seen
-        result.update(evaluation=rungs[-1][1], final=True)
+            elif heat.too_hot:
+                result["status"] = "too_hot"  # stopped: the constraint is violated and the machine should cool
+            if result["status"] == "ok" and evaluate_quality:
+                result.update(final)
+                if horizon:
+                    result["horizon_samples"] = trainer.samples_seen
+            result.update(evaluation=rungs[-1][1], final=True)
     except Exception as exc:  # a failed trial reports what it measured, with the reason, and the study goes on
         logger.warning("trial failed: %s: %s", type(exc).__name__, exc)
         if trainer is not None:  # what it measured before it failed is its measurement
-            result.update(_run_figures(window, window_start, warmup, start, peak, trainer, decay_window))
+            result.update(prediction())
+            result.update(window.figures(trainer, loop.peak_bytes if loop is not None else 0))
         result.update(status="failed", error=f"{type(exc).__name__}: {exc}")
     finally:
         if trainer is not None:
             trainer.close()
-    result["thermal_max"] = hottest or "unknown"
+    result["thermal_max"] = heat.hottest or "unknown"
     result["ended_at"] = time.time()
     return result
-
-
-def _run_figures(
-    window: list[tuple[float, int]],
-    window_start: float | None,
-    warmup: list[tuple[float, int]],
-    start: float,
-    peak: int,
-    trainer: Any,
-    decay_window: float,
-) -> dict[str, Any]:
-    """The window's figures; a run that ended inside its warm-up is measured over all of it."""
-    if window or not warmup:
-        return _window_figures(window, window_start, peak, trainer, decay_window)
-    return _window_figures(warmup, start, peak, trainer, decay_window)
-
-
-def _window_figures(
-    window: list[tuple[float, int]], window_start: float | None, peak: int, trainer: Any, decay_window: float
-) -> dict[str, Any]:
-    """samples/s, peak, decay and steps of the measured window so far."""
-    end = window[-1][0] if window else window_start
-    seconds = (end - window_start) if window_start is not None else 0.0
-    samples_per_sec = sum(s for _, s in window) / max(seconds, 1e-9) if window else 0.0
-    figures = {
-        "samples_per_sec": samples_per_sec,
-        "peak_memory_mb": peak / MiB,
-        "throughput_decay": _decay(window, window_start, decay_window),
-        "steps": trainer.step,
-        "measure_seconds": seconds,
-    }
-    if trainer.tokens_per_sample:
-        figures["tokens_per_sec"] = samples_per_sec * trainer.tokens_per_sample
-    return figures
-
-
-def _evaluate(
-    trainer: Any, config: cfg.ExperimentConfig, micro: int, eval_puzzles: int | None, quality_metric: str
-) -> dict[str, Any]:
-    """Quality on a fixed number of held-out examples, whatever the micro-batch, so trials compare."""
-    trainer.set_micro_batch(config.training.global_batch_size)
-    batches = math.ceil(eval_puzzles / trainer.micro_batch) if eval_puzzles else None
-    scores = trainer.evaluate(max_batches=batches)
-    trainer.set_micro_batch(micro)
-    return {"quality": float(scores.get(quality_metric, 0.0)), "eval": scores}
-
-
-def _decay(window: list[tuple[float, int]], window_start: float | None, share: float) -> float:
-    """Relative drop of samples/s from the first to the last `share` of the window (0 when too few steps)."""
-    if window_start is None or len(window) < 4:
-        return 0.0
-    times = [window_start] + [t for t, _ in window]
-    n = max(1, int(len(window) * share))
-    first = sum(s for _, s in window[:n]) / max(times[n] - times[0], 1e-9)
-    last = sum(s for _, s in window[-n:]) / max(times[-1] - times[-1 - n], 1e-9)
-    return max(0.0, (first - last) / first) if first > 0 else 0.0
 
 
 def run_trial(

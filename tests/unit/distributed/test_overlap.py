@@ -9,7 +9,7 @@ import torch
 
 from raytrm.distributed.equivalence import compare, record_steps, train_alone
 from raytrm.distributed.launch import spawn
-from raytrm.distributed.sync import ProcessGroupSync
+from raytrm.distributed.process_group import ProcessGroupSync
 from raytrm.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # worker processes

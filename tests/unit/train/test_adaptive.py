@@ -43,6 +43,22 @@ def test_governor_probes_then_approaches_its_choice_under_the_budget():
     assert "micro-batch 100" in gov.events[0]["reason"]
 
 
+def test_a_holding_governor_probes_two_cuts_then_keeps_the_asked_one_and_predicts_it():
+    """A trial's governor: it measures a quarter and a half of the asked micro-batch, fits, then holds the asked
+    one whatever the fit says (the trial checks the prediction), and never re-cuts."""
+    gov = MemoryGovernor(budget_bytes=500 * MiB, global_batch=64, max_micro_batch=64, probe_cuts=(16, 32), hold=True)
+    line = lambda b: int((100 + 10 * b) * MiB)  # noqa: E731 - over the budget at 64: 740 MiB
+    seen = []
+    for step in range(1, 5):
+        seen.append((gov.micro_batch, gov.probing))
+        gov.after_step(step, line(gov.micro_batch), pressure="critical")
+    assert seen == [(16, True), (32, True), (64, False), (64, False)]
+    assert gov.predicted_peak(64) == pytest.approx(740 * MiB) and gov.events == []
+    # Without a probe it holds the asked cut from the first step, and predicts nothing.
+    plain = MemoryGovernor(budget_bytes=500 * MiB, global_batch=64, max_micro_batch=2, hold=True)
+    assert (plain.micro_batch, plain.probing, plain.predicted_peak(2)) == (2, False, None)
+
+
 def test_approach_refits_a_slope_the_probes_measured_low():
     """Probe peaks a few MiB off make the first fit's slope 20% low; the approach's refits land under the budget."""
     gov = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256)

@@ -1,11 +1,14 @@
-"""The training loop's rules: schedule, time budget, loader workers giving the same batches."""
+"""The training loop's rules: schedule, time budget, loader workers giving the same batches, the order in which
+the loop asks its hooks, and evaluations taken off the run's clock."""
 
 from __future__ import annotations
 
 import pytest
 
 from raytrm import config as cfg
+from raytrm.train.loop import Hook, Loop
 from raytrm.train.run import run_training
+from raytrm.train.schedule import Evaluations, SampleLimit, StepLimit
 from raytrm.train.trainer import Trainer, lr_at
 
 
@@ -33,3 +36,83 @@ def test_loader_workers_give_the_same_batches(tiny):
         for key in a:
             assert a[key].equal(b[key]), key
     workers.close()
+
+
+class Recorder(Hook):
+    """Writes down each phase the loop asks it, with the step; halts the run after step `halt_at`."""
+
+    def __init__(self, calls: list, halt_at: int | None = None) -> None:
+        self.calls, self.halt_at = calls, halt_at
+
+    def start(self, loop):
+        self.calls.append(("start", loop.trainer.step))
+
+    def before_step(self, loop):
+        self.calls.append(("before", loop.trainer.step))
+
+    def after_step(self, loop, step):
+        self.calls.append(("after", step.result.step))
+        loop.micro_batch = 16  # a decision: the loop re-cuts once, after every hook has decided
+        if step.result.step == self.halt_at:
+            loop.halt("scripted halt")
+
+    def on_recut(self, loop):
+        self.calls.append(("recut", loop.trainer.micro_batch))
+
+    def end_step(self, loop, step):
+        self.calls.append(("end", step.result.step))
+
+    def finish(self, loop):
+        self.calls.append(("finish", loop.trainer.step))
+
+
+def test_the_loop_asks_its_hooks_phase_by_phase_and_stops_at_the_first_reason(tiny):
+    calls: list = []
+    loop = Loop(Trainer(tiny()), [StepLimit(2), SampleLimit(64), Recorder(calls)], measure_peak=False)
+    assert loop.run() == "steps reached" and loop.trainer.step == 2 and not loop.halted
+    assert calls == [
+        ("start", 0),
+        ("before", 0),
+        ("after", 1),
+        ("recut", 16),  # once: the cut stays 16 at step 2
+        ("end", 1),
+        ("before", 1),
+        ("after", 2),
+        ("end", 2),
+        ("finish", 2),
+    ]
+
+
+def test_a_halt_ends_the_run_after_its_step_and_skips_the_evaluations_left_for_the_end(tiny):
+    taken: list = []
+    trainer = Trainer(tiny())
+    evaluations = Evaluations(
+        [32, 1000], lambda loop: loop.trainer.samples_seen, lambda loop: {}, lambda loop, k, s: taken.append(k)
+    )
+    loop = Loop(trainer, [StepLimit(5), evaluations, Recorder([], halt_at=2)], measure_peak=False)
+    assert loop.run() == "scripted halt" and loop.halted and trainer.step == 2
+    assert taken == [0]  # the point at 32 samples, taken before step 2; the one left for the end is skipped
+
+
+def test_evaluations_are_taken_off_the_runs_clock(tiny):
+    clock = {"t": 0.0}
+    real = Trainer.train_step
+
+    def evaluate(loop):
+        clock["t"] += 100.0  # a slow evaluation
+        return {"quality": 1.0}
+
+    seen: list = []
+    trainer = Trainer(tiny())
+    evaluations = Evaluations(
+        [32, 64], lambda loop: loop.trainer.samples_seen, evaluate, lambda run, k, s: seen.append(run.now())
+    )
+    loop = Loop(trainer, [SampleLimit(64), evaluations], clock=lambda: clock["t"], measure_peak=False)
+
+    def step(**kwargs):
+        clock["t"] += 1.0  # a step takes a second
+        return real(trainer, **kwargs)
+
+    trainer.train_step = step
+    loop.run()
+    assert seen == [1.0, 2.0] and loop.now() == 2.0  # two steps of a second each; the evaluations' 200 s are off

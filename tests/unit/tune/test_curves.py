@@ -8,10 +8,10 @@ import statistics
 import pytest
 
 from raytrm import config as cfg
+from raytrm.train.schedule import evaluate_quality
 from raytrm.train.tasks import _standard_error
 from raytrm.train.trainer import Trainer
 from raytrm.tune.curves import extrapolate, is_speed_knob, learning_curve, quality_at, rungs
-from raytrm.tune.trial import _evaluate
 
 
 def test_rungs_are_whole_batches_a_factor_apart_up_to_the_horizon():
@@ -41,7 +41,7 @@ def test_curve_points_equal_training_that_many_samples_and_evaluating(tiny):
     reference = Trainer(config)
     for _ in range(5):  # 160 samples = 5 steps of 32
         reference.train_step()
-    expected = _evaluate(reference, config, reference.micro_batch, 32, "eval_cell_acc")
+    expected = evaluate_quality(reference, 32, "eval_cell_acc")
     assert curve["points"][1]["quality"] == expected["quality"]
     assert curve["points"][1]["stderr"] == expected["eval"]["eval_cell_acc_se"] > 0
 

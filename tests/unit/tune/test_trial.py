@@ -19,8 +19,8 @@ class StepClock:
         self.t = 0.0
         train_step = Trainer.train_step
 
-        def timed(trainer):
-            out = train_step(trainer)
+        def timed(trainer, *args, **kwargs):
+            out = train_step(trainer, *args, **kwargs)
             self.t += step_s
             return out
 

@@ -1,73 +1,16 @@
-"""Gradient sync between data-parallel workers of unequal speed, as one object the Trainer is handed.
-
-The Trainer never imports Ray or calls torch.distributed itself: it asks its sync object to sum gradients, gather the
-puzzle embedding's sparse rows, sum metrics and move carry slots. `LocalSync` is the one-process case (every call
-returns its input); `ProcessGroupSync` does the same over a torch.distributed process group, which Ray Train (or
-`raytrm.distributed.launch` without Ray) sets up.
-
-Every worker divides its loss by the whole global batch's count (the task's rule), so worker i's gradient is already
-(b_i / B) g_i and the exact global gradient is a plain sum: no weights to get wrong, whatever the shares.
+"""Gradient sync over a torch.distributed process group: the sync object (raytrm.train.sync's contract) that every
+data-parallel worker hands its Trainer, set up by Ray Train or, without Ray, by `raytrm.distributed.launch`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from raytrm.hardware import device as devices
-
-
-class GradientSync(Protocol):
-    """What the Trainer needs from its peers; every method is a collective that every rank calls in the same order."""
-
-    rank: int
-    world_size: int
-
-    def all_reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> float: ...
-    def overlapped(self, params: Sequence[torch.nn.Parameter]) -> OverlappedAllReduce | None: ...
-    def gather_rows(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def sum_floats(self, values: Sequence[float]) -> list[float]: ...
-    def gather_floats(self, values: Sequence[float]) -> list[list[float]]: ...
-    def gather_objects(self, obj: Any) -> list[Any]: ...
-    def gather_slots(self, local: torch.Tensor, part: slice, total: int) -> torch.Tensor: ...
-    def any(self, flag: bool) -> bool: ...
-    def broadcast_object(self, obj: Any) -> Any: ...
-
-
-class LocalSync:
-    """One worker: nothing to exchange."""
-
-    rank, world_size = 0, 1
-
-    def all_reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> float:
-        return 0.0
-
-    def overlapped(self, params: Sequence[torch.nn.Parameter]) -> None:
-        return None
-
-    def gather_rows(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ids, grads
-
-    def sum_floats(self, values: Sequence[float]) -> list[float]:
-        return list(values)
-
-    def gather_floats(self, values: Sequence[float]) -> list[list[float]]:
-        return [list(values)]
-
-    def gather_objects(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    def gather_slots(self, local: torch.Tensor, part: slice, total: int) -> torch.Tensor:
-        return local
-
-    def any(self, flag: bool) -> bool:
-        return flag
-
-    def broadcast_object(self, obj: Any) -> Any:
-        return obj
 
 
 class ProcessGroupSync:
@@ -137,10 +80,10 @@ class ProcessGroupSync:
         devices.synchronize(self.device)
         return time.perf_counter() - start
 
-    def overlapped(self, params: Sequence[torch.nn.Parameter]) -> OverlappedAllReduce | None:
+    def overlapped(self, params: Sequence[torch.nn.Parameter]) -> OverlappedBuckets | None:
         """An all-reduce whose buckets start while a backward pass is still computing the rest (see the class);
         None where overlap is off."""
-        return OverlappedAllReduce(self, params) if self.overlap else None
+        return OverlappedBuckets(self, params) if self.overlap else None
 
     def gather_rows(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every worker's (ids, row gradients) of a sparse table, concatenated in rank order."""
@@ -233,8 +176,9 @@ class Bucket:
                 p.grad.copy_(view.view_as(p), non_blocking=True)
 
 
-class OverlappedAllReduce:
-    """The gradient all-reduce started during the backward of a step's last micro-batch, bucket by bucket.
+class OverlappedBuckets:
+    """The overlapped all-reduce (raytrm.train.sync.OverlappedAllReduce) of ProcessGroupSync's buckets, started
+    during the backward of a step's last micro-batch, bucket by bucket.
 
     A parameter's gradient is final once the last micro-batch's backward has accumulated into it (its
     post-accumulate-grad hook). A bucket starts when all its parameters are final and every bucket before it has

@@ -10,14 +10,19 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from raytrm.distributed.shares import ShareBalancer
+from raytrm.train.loop import Hook, Loop, Step
+from raytrm.train.shares import ShareBalancer
 from raytrm.train.trainer import StepResult, Trainer
 
 logger = logging.getLogger(__name__)
 
 
-class Peers:
-    """The run loop's view of the other workers: rebalancing and the per-worker rows of metrics.jsonl."""
+class Peers(Hook):
+    """The run loop's view of the other workers: rebalancing and the per-worker rows of metrics.jsonl.
+
+    In the loop it exchanges after every step, once the memory and heat hooks have decided this worker's cut: the
+    step's events become every worker's (what the metrics log writes) and its rows every worker's.
+    """
 
     def __init__(self, trainer: Trainer, balance: bool = True) -> None:
         self.trainer = trainer
@@ -32,11 +37,11 @@ class Peers:
         self.rows: list[dict[str, Any]] = []
         self._warned = False  # caps that cannot hold the global batch are said once
 
-    def stop(self, mine: bool) -> bool:
-        """Whether any worker wants to stop (a time budget is read on each worker's own clock)."""
-        return mine if self.alone else self.sync.any(mine)
+    def end_step(self, loop: Loop, step: Step) -> None:
+        step.events = self.exchange(step.result, step.share_cap, step.events)
+        step.workers = self.rows
 
-    def after_step(
+    def exchange(
         self, result: StepResult, cap: int | None = None, events: Sequence[dict[str, Any]] = ()
     ) -> list[dict[str, Any]]:
         """Gather every worker's times and memory cap, rebalance the shares if that pays or a worker holds more than

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from raytrm.distributed.shares import (
+from raytrm.train.shares import (
     LinearTime,
     Rebalance,
     ShareBalancer,

@@ -1,0 +1,182 @@
+"""The one training loop: it drives `Trainer.train_step` and asks its hooks around each step.
+
+`raytrm train` (raytrm.train.run), a tuning trial (raytrm.tune.trial) and a learning curve (raytrm.tune.curves) each
+build a Trainer, pick hooks and run this loop; what differs between them is the hooks. One iteration:
+
+1. stop: the run ends when a hook halted it during the last step, or when a hook's stop rule gives a reason;
+2. `before_step`: hooks act before the step (a trial's window opens, due evaluations are taken);
+3. the step, its peak memory measured around it;
+4. `after_step`: hooks observe the step and decide (memory governor, heat, a trial's constraints), in list order;
+5. the global batch is re-cut once if their decisions moved the micro-batch, and the hooks are told (`on_recut`);
+6. `end_step`: hooks exchange and record (peers, metrics rows, checkpoints), in list order.
+
+After the last step, `finish` (final evaluation, last checkpoint). A failure ends the run with the exception; what
+the hooks hold (a metrics file) is closed by whoever built them. A new behaviour (a health check, a sync mode that
+re-measures its link, another stop rule) is one more hook, picked by the runs that need it; `stop_reason` says why
+a run ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from raytrm.train.peak import PeakMemory, trim_heap
+from raytrm.train.trainer import StepResult, Trainer
+
+
+@dataclasses.dataclass
+class Step:
+    """One step as the hooks see it; hooks of the after-step phase add what they decided, for those after them."""
+
+    result: StepResult
+    peak_bytes: int = 0
+    #: A metrics row is written for this step: the hooks that feed the row (heat, evaluation) act on it.
+    logged: bool = False
+    #: This worker's adaptations (memory, heat); once the peers have exchanged them, every worker's, each tagged with
+    #: its rank, and the rebalance: what the metrics log writes.
+    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    heat: dict[str, Any] = dataclasses.field(default_factory=dict)  # the thermal reading of this step, if read
+    share_cap: int | None = None  # the most samples this worker's memory lets it hold (with peers only)
+    workers: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # every worker's row, with peers
+
+
+class Hook:
+    """A part of a run that the loop asks around each step; every method is optional."""
+
+    def start(self, loop: Loop) -> None:
+        """Before the first step."""
+
+    def stop(self, loop: Loop) -> str | None:
+        """Why the run ends now (asked before each step, in list order; the first reason ends it), or None."""
+        return None
+
+    def before_step(self, loop: Loop) -> None:
+        """Before each step that runs."""
+
+    def after_step(self, loop: Loop, step: Step) -> None:
+        """Observe the step and decide (a micro-batch, a halt)."""
+
+    def on_recut(self, loop: Loop) -> None:
+        """The loop re-cut the global batch after the hooks' decisions."""
+
+    def end_step(self, loop: Loop, step: Step) -> None:
+        """Exchange and record what the step did."""
+
+    def finish(self, loop: Loop) -> None:
+        """After the last step (not after a failure)."""
+
+
+class Loop:
+    """Runs a Trainer under its hooks until one ends the run; holds what the hooks share.
+
+    clock: the run's clock (tests script it). measure_peak: measure each step's peak memory. logged: whether a
+    metrics row is written at a step number (none by default).
+    """
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        hooks: Sequence[Hook],
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        measure_peak: bool = True,
+        logged: Callable[[int], bool] = lambda step: False,
+    ) -> None:
+        self.trainer, self.hooks, self.clock = trainer, list(hooks), clock
+        self.measure_peak, self.logged = measure_peak, logged
+        self.stop_reason: str | None = None
+        #: A hook halted the run after a step (a broken constraint): what was planned for its end is skipped.
+        self.halted = False
+        self.t = 0.0  # the run's clock at the top of this iteration (see `now`)
+        self.step_end = 0.0  # the run's clock when the latest step returned
+        self.train_seconds = 0.0  # the Trainer's own seconds of its steps
+        self.peak_bytes, self.peak_method = 0, ""  # the highest step peak so far, and how it was measured
+        #: The memory governor's micro-batch (None: the config's) and the heat's share of it; see `_recut`.
+        self.micro_batch: int | None = None
+        self.micro_batch_scale = 1.0
+        #: The cut is still being probed (the memory governor's first steps): not yet the run's steady cut.
+        self.probing = False
+        self.on_out_of_memory: Callable[[int], int] | None = None  # told of a refused allocation; returns a cut
+        self._start = 0.0
+        self._off = 0.0
+
+    def now(self) -> float:
+        """Seconds since the run started on its clock, less the time hooks took off it (evaluations)."""
+        return self.clock() - self._start - self._off
+
+    @contextlib.contextmanager
+    def off_clock(self) -> Iterator[None]:
+        """Time spent inside does not count on the run's clock."""
+        begin = self.clock()
+        try:
+            yield
+        finally:
+            self._off += self.clock() - begin
+
+    def halt(self, reason: str) -> None:
+        """End the run before the next step (the first reason given is kept)."""
+        if self.stop_reason is None:
+            self.stop_reason, self.halted = reason, True
+
+    def agreed(self, mine: bool) -> bool:
+        """Whether any worker wants this; a collective with several workers, so every rank asks at the same point."""
+        return self.trainer.sync.any(mine)
+
+    def run(self) -> str | None:
+        """Train until a hook ends the run; returns why it ended."""
+        self._start = self.clock()
+        for hook in self.hooks:
+            hook.start(self)
+        while True:
+            self.t = self.now()
+            if self._stopping():
+                break
+            for hook in self.hooks:
+                hook.before_step(self)
+            step = self._step()
+            for hook in self.hooks:
+                hook.after_step(self, step)
+            self._recut()
+            for hook in self.hooks:
+                hook.end_step(self, step)
+        for hook in self.hooks:
+            hook.finish(self)
+        return self.stop_reason
+
+    def _stopping(self) -> bool:
+        if self.stop_reason is None:
+            self.stop_reason = next((r for r in (hook.stop(self) for hook in self.hooks) if r), None)
+        return self.stop_reason is not None
+
+    def _step(self) -> Step:
+        trainer = self.trainer
+        peak_bytes = 0
+        if self.measure_peak:
+            with PeakMemory(trainer.device.type) as peak:
+                result = trainer.train_step(on_out_of_memory=self.on_out_of_memory)
+            peak_bytes, self.peak_method = peak.bytes, peak.method
+            self.peak_bytes = max(self.peak_bytes, peak_bytes)
+        else:
+            result = trainer.train_step(on_out_of_memory=self.on_out_of_memory)
+        self.step_end = self.now()
+        self.train_seconds += result.seconds
+        return Step(result, peak_bytes, logged=self.logged(trainer.step))
+
+    def _recut(self) -> None:
+        """Cut the following global batches at the governor's micro-batch times the heat's share, where either set
+        one; a smaller cut first gives freed heap back, or the smaller steps would measure as large."""
+        if self.micro_batch is None and self.micro_batch_scale >= 1:
+            return
+        base = self.micro_batch if self.micro_batch is not None else self.trainer.config.training.micro_batch
+        micro = max(1, int(base * self.micro_batch_scale))
+        if micro == self.trainer.micro_batch:
+            return
+        if micro < self.trainer.micro_batch:
+            trim_heap()
+        self.trainer.set_micro_batch(micro)
+        for hook in self.hooks:
+            hook.on_recut(self)

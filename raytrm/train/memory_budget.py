@@ -1,0 +1,111 @@
+"""The memory budget in the loop: the governor's cuts for `raytrm train`, the pre-check and the limit for a trial.
+
+Both run the same MemoryGovernor (raytrm.train.adaptive) on the same measured step peaks. `adapting`: the governor
+probes small cuts, chooses the largest that fits, shrinks under pressure or an allocator's refusal and grows back
+(raytrm train). `holding`: a trial measures the micro-batch it is asked; the governor probes a quarter and a half
+of it (real training steps, part of the warm-up), and the fit's prediction for the asked cut halts the trial before
+a step the machine cannot hold (on the CPU an oversized step raises nothing: the kernel kills the process). After
+that a measured peak over the budget halts it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raytrm.hardware.pressure import MemoryReader
+from raytrm.train.adaptive import GovernorSettings, MemoryGovernor
+from raytrm.train.loop import Hook, Loop, Step
+from raytrm.train.trainer import Trainer
+
+MiB = 2**20
+PROBE_MIN_MICRO = 4  # below this a trial's probe steps would cost more than they tell
+
+
+class MemoryBudget(Hook):
+    """Runs a memory governor around each step; the trainer starts at the governor's first cut."""
+
+    def __init__(self, trainer: Trainer, governor: MemoryGovernor, reader: MemoryReader | None = None) -> None:
+        self.trainer, self.governor, self.reader = trainer, governor, reader
+        self.rank0 = trainer.sync.rank == 0
+        #: A holding governor's predicted peak for the asked cut, in bytes, once its probe is fitted.
+        self.predicted: float | None = None
+        #: Why a holding run went over its budget: "predicted" or "measured"; None while it holds.
+        self.over_budget: str | None = None
+        self._seen = 0  # the governor's events before this step
+        trainer.set_micro_batch(governor.micro_batch)
+
+    @classmethod
+    def adapting(
+        cls, trainer: Trainer, settings: GovernorSettings | None = None, reader: MemoryReader | None = None
+    ) -> MemoryBudget | None:
+        """`raytrm train`'s governor, where the config sets a budget (else None)."""
+        train = trainer.config.training
+        if not train.memory_budget_mb:
+            return None
+        governor = MemoryGovernor(
+            budget_bytes=train.memory_budget_mb * MiB,
+            global_batch=train.global_batch_size,
+            max_micro_batch=train.micro_batch_size or train.global_batch_size,
+            settings=settings or GovernorSettings(),
+        )
+        return cls(trainer, governor, reader or MemoryReader(device=trainer.device))
+
+    @classmethod
+    def holding(cls, trainer: Trainer, budget_mb: float) -> MemoryBudget:
+        """A trial's: its micro-batch, probed at a quarter and a half first where it is large enough to tell."""
+        train = trainer.config.training
+        micro = train.micro_batch
+        probe = (micro // 4, micro // 2) if micro >= PROBE_MIN_MICRO else ()
+        governor = MemoryGovernor(
+            budget_bytes=budget_mb * MiB,
+            global_batch=train.global_batch_size,
+            max_micro_batch=micro,
+            probe_cuts=probe,
+            hold=True,
+        )
+        return cls(trainer, governor)
+
+    def start(self, loop: Loop) -> None:
+        loop.probing = self.governor.probing
+        if not self.governor.hold:
+            loop.on_out_of_memory = self.governor.on_out_of_memory
+
+    def before_step(self, loop: Loop) -> None:
+        self._seen = len(self.governor.events)
+
+    def after_step(self, loop: Loop, step: Step) -> None:
+        governor, trainer = self.governor, self.trainer
+        probed = governor.probing
+        pressure = self.reader.read().pressure if self.reader is not None else None
+        loop.micro_batch = governor.after_step(trainer.step, step.peak_bytes, pressure)
+        loop.probing = governor.probing
+        step.events += governor.events[self._seen :]
+        if not governor.hold:
+            # A share cap matters only beside other workers: alone, the step skips measuring it.
+            if trainer.sync.world_size > 1:
+                step.share_cap = governor.share_cap(trainer.local_batch, trainer.slot_bytes())
+            return
+        budget = governor.budget_bytes
+        if probed and not governor.probing:
+            self.predicted = governor.predicted_peak(governor.micro_batch)
+            if self.predicted is not None and self.predicted > budget:
+                self.over_budget = "predicted"
+                loop.halt(
+                    f"over budget: {self.predicted / MiB:.0f} MiB predicted at micro-batch {governor.micro_batch}, "
+                    f"budget {budget / MiB:.0f} MiB"
+                )
+        elif not probed and loop.peak_bytes > budget:
+            self.over_budget = "measured"
+            loop.halt(f"over budget: a step peaked at {loop.peak_bytes / MiB:.0f} MiB, budget {budget / MiB:.0f} MiB")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.governor.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Continue the governor of a resumed run: rank 0's, which the checkpoint holds; the others start afresh."""
+        if state and self.rank0:
+            self.governor.load_state_dict(state)
+
+    def summary(self) -> dict[str, Any]:
+        """The memory part of summary.json: budget, fit, predicted and measured peak, adaptations."""
+        return self.governor.summary(self.trainer.micro_batch)

@@ -1,0 +1,123 @@
+"""What `raytrm train` records as it goes, as hooks of the loop: metrics.jsonl with the progress line, checkpoints.
+
+With several workers every rank runs these hooks (a checkpoint is a collective), and rank 0 alone writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from raytrm.train import checkpoint as ckpt
+from raytrm.train.loop import Hook, Loop, Step
+from raytrm.train.metrics import MetricsLog, Progress
+from raytrm.train.trainer import Trainer
+
+
+def tokens_per_sec(trainer: Trainer, samples_per_sec: float) -> dict[str, float]:
+    """Throughput in tokens beside samples, for models whose samples are token sequences (the language model)."""
+    return {"tokens_per_sec": samples_per_sec * trainer.tokens_per_sample} if trainer.tokens_per_sample else {}
+
+
+class MetricsRows(Hook):
+    """metrics.jsonl and the progress line: every step's events, and a row at each step the loop logs (its
+    throughput since the last row, loss and metrics, resources, heat, every worker's row and any due scores).
+
+    log: None on the ranks that do not write; scores(step): the evaluation due in that step's row, if any.
+    """
+
+    def __init__(
+        self, trainer: Trainer, log: MetricsLog | None, bar: Progress, scores: Callable[[int], dict[str, Any]]
+    ) -> None:
+        self.trainer, self.log, self.bar, self.scores = trainer, log, bar, scores
+        self.window_seconds, self.window_samples = 0.0, 0
+        self.last_accuracy: float | None = None  # of the latest step in which some sequence halted
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.log is not None:
+            self.log.write(record)
+
+    def end_step(self, loop: Loop, step: Step) -> None:
+        trainer, result = self.trainer, step.result
+        for event in step.events:
+            self._write(event)
+        self.window_seconds += result.seconds
+        self.window_samples += result.samples
+        if result.metrics.get("accuracy") is not None:
+            self.last_accuracy = result.metrics["accuracy"]
+        if not step.logged:
+            return
+        rate = self.window_samples / max(self.window_seconds, 1e-9)
+        record = {
+            "step": trainer.step,
+            "samples_per_sec": rate,
+            **tokens_per_sec(trainer, rate),
+            "loss": result.loss,
+            **result.metrics,
+            "lr": trainer.current_lr,
+            **trainer.resources.sample(),
+            **step.heat,
+        }
+        if step.workers:
+            record["workers"] = step.workers
+        self.window_seconds, self.window_samples = 0.0, 0
+        record.update(self.scores(trainer.step))
+        self._write(record)
+        shown = {"samples/s": record["samples_per_sec"]}
+        if "tokens_per_sec" in record:
+            shown["tokens/s"] = record["tokens_per_sec"]
+        shown["loss"] = result.loss
+        if result.metrics.get("bits_per_byte") is not None:
+            shown["bpb"] = result.metrics["bits_per_byte"]
+        shown["acc"] = self.last_accuracy if self.last_accuracy is not None else "-"
+        shown["rss_mb"] = record["rss_mb"]
+        self.bar.update(trainer.step, shown)
+
+
+class Checkpoints(Hook):
+    """Saves the run every `interval` steps and after the last one: the trainer's state and its parts' (the hooks
+    whose state a resume needs, each under its key). `on_checkpoint(step, path)` is told on every rank (the path on
+    rank 0, None elsewhere)."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        directory: Path,
+        interval: int | None,
+        parts: dict[str, Any],
+        on_checkpoint: Callable[[int, Path | None], None] | None = None,
+    ) -> None:
+        self.trainer, self.directory, self.interval, self.parts = trainer, directory, interval, parts
+        self.on_checkpoint = on_checkpoint
+        self.rank0 = trainer.sync.rank == 0
+        self.last: Path | None = None  # the checkpoint saved after the last step
+
+    def restore(self) -> bool:
+        """Load the latest good checkpoint (read on rank 0, sent to every rank) into the trainer and the parts;
+        False where there is none."""
+        state = ckpt.latest_good_checkpoint(self.directory) if self.rank0 else None
+        state = self.trainer.sync.broadcast_object(state)
+        if state is None:
+            return False
+        with ckpt.restoring(state):
+            self.trainer.load_state_dict(state)
+            for key, part in self.parts.items():
+                part.load_state_dict(state.get(key))
+        return True
+
+    def save(self) -> Path | None:
+        state = self.trainer.state_dict()  # with several workers, a collective: every rank takes part
+        for key, part in self.parts.items():
+            state[key] = part.state_dict()
+        path = ckpt.save_checkpoint(state, self.directory, self.trainer.step) if self.rank0 else None
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self.trainer.step, path)
+        return path
+
+    def end_step(self, loop: Loop, step: Step) -> None:
+        if self.interval and self.trainer.step % self.interval == 0:
+            self.save()
+
+    def finish(self, loop: Loop) -> None:
+        self.last = self.save()

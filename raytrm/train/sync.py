@@ -1,0 +1,85 @@
+"""The sync contract: what the Trainer asks of its fellow data-parallel workers, and the one-worker case.
+
+The Trainer never imports Ray or calls torch.distributed itself: it asks the sync object it is handed to sum
+gradients, gather the puzzle embedding's sparse rows, sum metrics and move carry slots. `LocalSync` is the
+one-process case (every call returns its input); implementations over a process group live in raytrm.distributed.
+
+Every worker divides its loss by the whole global batch's count (the task's rule), so worker i's gradient is already
+(b_i / B) g_i and the exact global gradient is a plain sum: no weights to get wrong, whatever the shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+
+class OverlappedAllReduce(Protocol):
+    """The gradient all-reduce started during the backward of a step's last micro-batch.
+
+    Round by round: `start`, `arm` before the last micro-batch, then `finish` and `commit` (every rank's step
+    succeeded), or `abandon` (this rank failed part-way: match the peers' collectives, keep nothing).
+    """
+
+    #: Bytes of gradient that started while the backward still computed others, in the latest round; and all of them.
+    overlapped_bytes: int
+    total_bytes: int
+
+    def start(self) -> None: ...
+    def arm(self) -> None: ...
+    def finish(self) -> float: ...
+    def abandon(self) -> None: ...
+    def commit(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class GradientSync(Protocol):
+    """What the Trainer needs from its peers; every method is a collective that every rank calls in the same order."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> float: ...
+    def overlapped(self, params: Sequence[torch.nn.Parameter]) -> OverlappedAllReduce | None: ...
+    def gather_rows(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def sum_floats(self, values: Sequence[float]) -> list[float]: ...
+    def gather_floats(self, values: Sequence[float]) -> list[list[float]]: ...
+    def gather_objects(self, obj: Any) -> list[Any]: ...
+    def gather_slots(self, local: torch.Tensor, part: slice, total: int) -> torch.Tensor: ...
+    def any(self, flag: bool) -> bool: ...
+    def broadcast_object(self, obj: Any) -> Any: ...
+
+
+class LocalSync:
+    """One worker: nothing to exchange."""
+
+    rank, world_size = 0, 1
+
+    def all_reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> float:
+        return 0.0
+
+    def overlapped(self, params: Sequence[torch.nn.Parameter]) -> None:
+        return None
+
+    def gather_rows(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ids, grads
+
+    def sum_floats(self, values: Sequence[float]) -> list[float]:
+        return list(values)
+
+    def gather_floats(self, values: Sequence[float]) -> list[list[float]]:
+        return [list(values)]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def gather_slots(self, local: torch.Tensor, part: slice, total: int) -> torch.Tensor:
+        return local
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
