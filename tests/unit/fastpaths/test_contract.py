@@ -233,12 +233,14 @@ def _compare(case: Case, op: str, run: Callable[..., object], args: Args, grads:
     elif case.compare == "step":  # equal but for the odd element a bf16 step apart
         for a, b in zip(ours, plain, strict=True):
             _bf16_step(a, b, case.step[0] if interpreted else case.step[1])
-    elif case.compare == "exact":  # as close to the fp64 result as the plain bf16 formula, at worst and on average
+    elif case.compare == "exact":  # as close to the fp64 result as the plain bf16 formula, on average and at worst
         with _plain():
             exact = _run(formula, args, grads, torch.float64)
         for a, b, truth in zip(ours, plain, exact, strict=True):
             a, b = (a.double() - truth).abs(), (b.double() - truth).abs()
-            assert a.max() <= 1.05 * b.max() and a.mean() <= 1.05 * b.mean(), (a.max(), b.max(), a.mean(), b.mean())
+            # At worst within one bf16 rounding of the largest value more: the two round at different points.
+            rounding = 2**-8 * truth.abs().max()
+            assert a.max() <= b.max() + rounding and a.mean() <= 1.05 * b.mean(), (a.max(), b.max(), a.mean(), b.mean())
     elif case.compare == "mix":  # within a rounding of the formula with exact products, rounded where it rounds
         assert_within_a_rounding(ours[0], exact_mix(*args))
     else:
