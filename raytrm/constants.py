@@ -46,9 +46,6 @@ def cache_dir() -> Path:
     return Path(env) if env else DEFAULT_CACHE_DIR
 
 
-def fastpaths_on() -> bool:
-    """Whether device fast paths may serve raytrm's operations: $RAYTRM_FASTPATHS, on (the default) or off."""
-    value = os.environ.get(FASTPATHS_ENV, DEFAULT_FASTPATHS).strip().lower()
-    if value not in ("on", "off"):
-        raise ValueError(f"{FASTPATHS_ENV}={value!r}: expected on or off (unset means {DEFAULT_FASTPATHS})")
-    return value == "on"
+def fastpaths_setting() -> str:
+    """$RAYTRM_FASTPATHS as given, lower case: on (the default) or off; raytrm.fastpaths.registry checks it."""
+    return os.environ.get(FASTPATHS_ENV, DEFAULT_FASTPATHS).strip().lower()

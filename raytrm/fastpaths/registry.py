@@ -25,9 +25,21 @@ from typing import Any, NamedTuple
 
 import torch
 
-from raytrm.constants import FASTPATHS_ENV, fastpaths_on
+from raytrm.constants import DEFAULT_FASTPATHS, FASTPATHS_ENV, fastpaths_setting
+from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
+
+
+def fastpaths_on() -> bool:
+    """Whether device fast paths may serve raytrm's operations: $RAYTRM_FASTPATHS, on (the default) or off."""
+    value = fastpaths_setting()
+    if value not in ("on", "off"):
+        raise UserError(
+            f"{FASTPATHS_ENV}={value!r}: expected on or off; unset it for the default ({DEFAULT_FASTPATHS})"
+        )
+    return value == "on"
+
 
 #: Whether backends may serve operations (RAYTRM_FASTPATHS); tests turn it off to compare with the plain formulas.
 ENABLED = fastpaths_on()

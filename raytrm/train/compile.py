@@ -8,15 +8,14 @@ back-propagated last one are two graphs of the same region. The transformer comp
 The plan (`plan_compile`) depends on the device and the torch build, and is logged once:
 - cuda: inductor, with CUDA graphs (mode reduce-overhead) over the regions a model names in `graph_regions` (TRM:
   its round, run several times a step, not the step's edges, run once; the transformer: its forward). A round's
-  hundreds of launches then cost the host one replay: TRM-attention at batch 128 on an H200 took 17.0 ms a step
-  against 48.9 without them, the host having been the limit, and at batch 768, where the GPU is, the same time;
-  the transformer at batch 8, 6.6 ms against 17.0 (README, Performance). `on` compiles without graphs;
+  hundreds of launches then cost the host one replay, which matters where the host, not the GPU, is the limit
+  (small batches). `on` compiles without graphs;
   `cudagraphs` asks for them over a model's named regions, or over every compiled region of a model that names
   none.
 - mps: inductor where torch has its Metal backend (torch >= 2.8), eager otherwise; never CUDA graphs (asking for
   them on MPS compiles without them, and says so).
 - cpu: inductor needs a C++ compiler; `auto` stays eager on a CPU (the compiled region measured no faster on this
-  project's 2-core CPU, README Performance), `on` compiles where a compiler is found.
+  project's 2-core CPU), `on` compiles where a compiler is found.
 A region whose compilation fails on first use runs eagerly from then on, with one warning naming the error.
 """
 

@@ -83,8 +83,8 @@ class TRMTask:
     """TRM on puzzles: one carry for this worker's slots of the global batch; micro-batches read and write theirs."""
 
     tokens_per_sample = None
-    # One network runs in every H/L cycle, so each weight's gradient is final only as the backward ends (16% of the
-    # reference TRM's gradient bytes are final before the last 10% of its backward; README, Performance).
+    # One network runs in every H/L cycle, so each weight's gradient is final only as the backward ends: there is
+    # nothing to send while it runs.
     overlaps_sync = False
 
     def __init__(

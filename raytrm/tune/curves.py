@@ -1,10 +1,10 @@
 """Learning curves in samples: a learning config's quality against the samples it has seen.
 
 What a config has learned after N samples does not depend on the machine: the update is exact whatever the
-micro-batch, the threads or the number of workers (DESIGN.md invariant 1). The machine sets only how fast samples
-come. So a curve measured anywhere, and a throughput measured on each tier, give the quality a config reaches on that
-tier in the user's horizon: curve(horizon_seconds x samples_per_sec). Speed knobs (SPEED_FIELDS) leave the curve
-alone and move only the throughput; learning knobs (everything else) move the curve.
+micro-batch, the threads or the number of workers (docs/architecture.md, invariant 1). The machine sets only how
+fast samples come. So a curve measured anywhere, and a throughput measured on each tier, give the quality a config
+reaches on that tier in the user's horizon: curve(horizon_seconds x samples_per_sec). Speed knobs (SPEED_FIELDS)
+leave the curve alone and move only the throughput; learning knobs (everything else) move the curve.
 """
 
 from __future__ import annotations

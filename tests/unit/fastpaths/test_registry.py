@@ -5,6 +5,9 @@ torch.compile without a graph break."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from raytrm import constants
+from raytrm.errors import UserError
 from raytrm.fastpaths import registry
 from raytrm.fastpaths.registry import Backend
 from raytrm.models import ops
@@ -73,12 +77,21 @@ def test_the_switch_turns_every_backend_off(scale, monkeypatch):
 
 def test_the_environment_variable_is_read_as_on_or_off(monkeypatch):
     monkeypatch.delenv(constants.FASTPATHS_ENV, raising=False)
-    assert constants.fastpaths_on()
+    assert registry.fastpaths_on()
     monkeypatch.setenv(constants.FASTPATHS_ENV, "OFF")
-    assert not constants.fastpaths_on()
+    assert not registry.fastpaths_on()
     monkeypatch.setenv(constants.FASTPATHS_ENV, "of")
-    with pytest.raises(ValueError, match=r"RAYTRM_FASTPATHS='of': expected on or off"):
-        constants.fastpaths_on()
+    with pytest.raises(UserError, match=r"RAYTRM_FASTPATHS='of': expected on or off"):
+        registry.fastpaths_on()
+
+
+def test_a_misspelt_switch_is_one_line_and_exit_code_2():
+    env = {**os.environ, constants.FASTPATHS_ENV: "of"}
+    code = "from raytrm.cli import main; raise SystemExit(main(['train', '--steps', '1', '--out', 'unused']))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stderr)
+    assert "RAYTRM_FASTPATHS='of': expected on or off" in lines[0]
 
 
 def test_each_choice_is_logged_once_per_operation_device_and_outcome_with_its_reason(scale, caplog):

@@ -1,7 +1,7 @@
 """Faults without Ray: a training process killed at any moment, a full disk, a tuning trial out of memory.
 
 - Killed by SIGKILL anywhere (mid-step, mid-write of a checkpoint, between steps), then resumed: the run ends where an
-  uninterrupted one ends, bit for bit, metrics included (DESIGN.md invariant 6).
+  uninterrupted one ends, bit for bit, metrics included (docs/architecture.md, invariant 6).
 - A checkpoint write that meets a full disk keeps the previous checkpoint and says so in one line (invariant 7).
 - A trial that runs out of memory is recorded infeasible, with what it measured before (invariant 4).
 """

@@ -167,7 +167,7 @@ def test_sparse_signsgd_equals_the_update_over_distinct_rows(dtype):
     assert torch.equal(table, expected)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the lent GPU machine)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sparse_signsgd_never_waits_for_the_gpu():
     table = torch.zeros(1000, 16, device="cuda")
     ids = torch.randint(0, 1000, (768,), device="cuda")

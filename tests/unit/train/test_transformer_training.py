@@ -218,7 +218,7 @@ def test_memory_adaptation_and_out_of_memory_redo_change_nothing_learned(small, 
         torch.testing.assert_close(b["model"][name], value, rtol=0, atol=1e-2 * 3e-3, msg=lambda m, k=name: f"{k}: {m}")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the lent GPU machine)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_on_cuda_the_graphed_forward_trains_to_the_eager_numbers_within_bf16_noise(small, checkpointing):
     losses = {}

@@ -1,9 +1,9 @@
-// h = silu(x @ w_gate^T) * (x @ w_up^T) in one product, bf16, for Hopper GPUs (sm_90a); see raytrm/models/gated.py.
+// h = silu(x @ w_gate^T) * (x @ w_up^T) in one product, bf16, for Hopper GPUs (sm_90a); see ../gated.py.
 // Below it, the down projection's backward for gate_up's gradient, the gate's backward in its epilogue.
 //
 // x [M, 512] and w [2 N, 512] (the gate's rows, then the up rows) are row-major; h is [M, N] and, where asked for,
 // gate_up [M, 2 N] (x @ w^T) is written too. Each product sums in fp32 and is rounded once to bf16, then the gate is
-// computed as raytrm's Triton gate kernel computes it (_triton_kernels._gated), so h has the bits of that kernel
+// computed as raytrm's Triton gate kernel computes it (triton/gate.py), so h has the bits of that kernel
 // applied to a cuBLAS product of x and w.
 //
 // Persistent CTAs of three warp groups. One thread of the first issues the TMA copies of x's and w's tiles into a
@@ -12,7 +12,7 @@
 // stored from there an eighth at a time while the tensor cores run the next tile's products. wgmma's accumulator layout
 // puts a gate column and its up column in the same thread, so the gate moves no data between threads, and w's rows,
 // taken in the kernel's order (raytrm_gated_swiglu), put 8 consecutive columns in each thread, so neither do the
-// 16-byte stores: the epilogue has no shuffles (README, Performance).
+// 16-byte stores: the epilogue has no shuffles.
 #include "hopper.cuh"
 
 namespace {
@@ -23,7 +23,7 @@ struct __align__(1024) Shared {
   uint64_t full[STAGES], empty[STAGES];
 };
 
-// sigmoid as _triton_kernels._sigmoid: the hardware's approximate 2^x and 1/x.
+// sigmoid as the Triton kernels compute it: the hardware's approximate 2^x and 1/x.
 __device__ __forceinline__ float sigmoid(float v) {
   float e, r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-1.4426950408889634f * v));
@@ -108,19 +108,17 @@ __global__ void __launch_bounds__(384, 1)
 //
 // grad_gate_up [M, 2 F] (laid out as gate_up: gate, then up, in each row) for the gradient grad [M, 512] of
 // h @ w_down^T, h = silu(gate) * up: the gate's gradient grad @ w_down, rounded once to bf16 as a product's output
-// is, goes through the gate's backward (_triton_kernels._gate_gradients' formulas and roundings) on its way out, so
-// that it never goes to memory; the bits of raytrm's Triton kernel (swiglu_down_backward_kernel).
+// is, goes through the gate's backward (the Triton kernels' formulas and roundings) on its way out, so that it never
+// goes to memory; the bits of raytrm's Triton kernel (swiglu_down_backward_kernel).
 //
 // The CTAs of gated_swiglu_kernel, on its tiles (128 rows, 256 of F's columns; tiles of 128 columns, tried first,
 // were no faster). w_down comes transposed, [F, 512], its rows in the kernel's order, so that a thread's 8 columns
 // of a 32 are 8 consecutive columns of F. While the tensor cores run a tile's products, each thread finishes the
 // previous tile an eighth a stage: the gate and up it needs come from shared memory, where the thread copied them
 // itself (cp.async, its own chunks alone, so no thread waits for another) AHEAD stages before, and its results go
-// out as 16-byte stores. At TRM's shape on an H200 it took 325-330 us a call against 350-356 with 3 stages and 4
-// (or 2) stages ahead, 580-615 with 2 and 4 (2026-11-26, build/gd/variants.py, medians of 30 over three inputs, the
-// same bits); 348-350 on another H200 against 474-494 for Triton's (build/gd/down_probe.py). Its epilogue's
-// instructions bound it (Nsight Compute, 3 stages: DRAM 49% busy, 0.43 instructions issued a cycle per scheduler),
-// so g * up and silu(gate) * g are bf16 pair products.
+// out as 16-byte stores. Four stages with copies two ahead measured fastest at TRM's shape on an H200.
+// Its epilogue's instructions, not memory, bound it, so g * up and silu(gate) * g are bf16 pair products (a product
+// of two bf16 values is exact in fp32: one rounding gives the same bits).
 
 constexpr int DB_STAGES = 4;
 constexpr int AHEAD = 2;  // stages between an eighth's copies and its use; divides KB

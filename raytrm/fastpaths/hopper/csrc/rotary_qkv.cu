@@ -1,13 +1,12 @@
 // The attention's fused projection with RoPE in its epilogue, bf16, for Hopper GPUs (sm_90a); see
-// raytrm/models/rotary_qkv.py.
+// ../rotary_qkv.py.
 //
 // qkv = x @ w^T for x [M, 512] and w [N, 512] (q's rows, k's, then v's, N / 3 each), with q and k rotated by
-// position as raytrm's RoPE operator rotates them (_triton_kernels.rope_qkv_kernel): each product is rounded once to
+// position as raytrm's RoPE operator rotates them (triton/rope.py): each product is rounded once to
 // bf16, then column d and d + 32 of each 64-column head turn by the angle of the row's position (row % L), in fp32
 // from the tables' first halves, (x1 c - x2 s, x2 c + x1 s), and are rounded once more. The same bits as cuBLAS's
 // product followed by that operator. The attention then takes q and k as they are (its `rotated` form), where it
-// would otherwise rotate them on the way in, a head at a time: on an H200 at TRM's Sudoku shape its forward took
-// 124 us a call with the rotation, 102 without (README, Performance).
+// would otherwise rotate them on the way in, a head at a time, inside its forward's critical loop.
 //
 // The CTAs of gated_swiglu.cu (hopper.cuh): 128 x 256 tiles of consecutive columns, each finished an eighth a stage
 // while the tensor cores run the next. w's rows come in the kernel's order, so each thread holds 8 consecutive columns
