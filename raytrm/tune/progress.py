@@ -9,15 +9,7 @@ from typing import Any, TextIO
 from ray.tune import Callback
 
 from raytrm.tune import objectives
-
-
-def format_params(params: dict[str, Any]) -> str:
-    """`micro_batch_size=16 threads=2 lr=0.0031`: the field names without their section."""
-    parts = []
-    for name, value in params.items():
-        short = name.rsplit(".", 1)[-1]
-        parts.append(f"{short}={value:.3g}" if isinstance(value, float) else f"{short}={value}")
-    return " ".join(parts)
+from raytrm.tune.tables import format_params
 
 
 def trial_line(result: dict[str, Any], objective: str) -> str:

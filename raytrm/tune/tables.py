@@ -8,10 +8,18 @@ from typing import Any
 
 from raytrm.tune import objectives
 from raytrm.tune.layout import PROFILES_DIR, read_state, run_space
-from raytrm.tune.progress import format_params
 from raytrm.tune.space import describe_horizon, horizon_of
 from raytrm.tune.studies import load_study, ranked, reached_horizon, staged_candidates
 from raytrm.tune.verify import verification
+
+
+def format_params(params: dict[str, Any]) -> str:
+    """`micro_batch_size=16 threads=2 lr=0.0031`: the field names without their section."""
+    parts = []
+    for name, value in params.items():
+        short = name.rsplit(".", 1)[-1]
+        parts.append(f"{short}={value:.3g}" if isinstance(value, float) else f"{short}={value}")
+    return " ".join(parts)
 
 
 def _lost_line(state: dict[str, Any], tier: str) -> list[str]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import ray
 
 from raytrm.cli import job_command
@@ -33,3 +36,18 @@ def test_the_head_prints_a_job_line_that_runs_raytrm_tune_on_the_cluster():
     assert line == (
         "RAY_AUTH_MODE=token ray job submit --address http://192.168.1.10:8265 --working-dir . -- raytrm tune"
     )
+
+
+def test_the_commands_that_connect_leave_ray_unimported_until_they_do():
+    """Ray reads its auth mode once, when imported: a module that imports it before connect() turns the cluster token
+    off, and a driver on the head is refused by its own cluster."""
+    drivers = [
+        "raytrm.cli",
+        "raytrm.tune.tuner",
+        "raytrm.distributed.ray_train",
+        "raytrm.distributed.cluster_commands",
+        "raytrm.bench.distributed",
+    ]
+    probe = f"import sys, {', '.join(drivers)}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
