@@ -42,7 +42,7 @@ from raytrm.fastpaths import onednn
 from raytrm.hardware import device as devices
 from raytrm.models.trm import Carry, rows
 from raytrm.train import threaded
-from raytrm.train.compile import compile_regions, plan_compile
+from raytrm.train.compile import compile_regions, plan_compile, use_compile_caches
 from raytrm.train.memory import cut
 from raytrm.train.metrics import ResourceSampler
 from raytrm.train.oom import is_out_of_memory
@@ -107,6 +107,7 @@ class Trainer:
             self.device, config.model.forward_dtype if config.model.forward_dtype != "auto" else train.dtype
         )
         self.loss_dtype = devices.loss_dtype(self.device)
+        use_compile_caches()  # before the model is built (Triton reads its switches as kernels are defined)
 
         # The task opens the data, seeds torch and builds the model (and TRM's sparse optimizer and carry).
         self.task = make_task(config, self.device, self.dtype, self.loss_dtype)
