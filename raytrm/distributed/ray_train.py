@@ -219,7 +219,7 @@ def _elastic(count: int) -> int | tuple[int, int]:
 
 
 def _fit(job: dict, count: int, on_cluster: bool, nodes: Sequence[Node], run_dir: Path, max_failures: int) -> None:
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from raytrm.hardware import device as devices
@@ -243,6 +243,9 @@ def _fit(job: dict, count: int, on_cluster: bool, nodes: Sequence[Node], run_dir
             name=f"train-{uuid.uuid4().hex[:8]}",
             storage_path=str((run_dir / "ray").resolve()),
             failure_config=FailureConfig(max_failures=max_failures),
+            # Ray Train's own lines (a line a report on every worker, state changes) stay in its log files under the
+            # session's logs/train/; the terminal shows raytrm's progress line and Ray Train's warnings.
+            logging_config=LoggingConfig(log_level="WARNING"),
         ),
     )
     from ray.train import WorkerGroupError
