@@ -7,8 +7,9 @@ Both runs are `raytrm train` with the same flags, each in a fresh process, with 
 the first compiles everything (torch's inductor and AOTAutograd caches, Triton's kernels and autotuning, cuBLASLt's
 algorithm per shape all start empty), the second finds what the first kept. The dataset is generated into that
 directory before either run, so neither run's setup pays for it. For each run it prints the summary's setup and
-warm-up (the time to the first steady step), the steady samples/s, the process's whole time, and the compile caches'
-hits and misses as torch counted them in that process.
+warm-up (the time to the first steady step), the steady samples/s, the process's whole time and CPU time (which
+other load on the machine leaves alone), and the compile caches' hits and misses as torch counted them in that
+process.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -54,7 +56,15 @@ def _prepare_data(flags: list[str], env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "-c", code, *flags], env=env, check=True)
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds (user and system) of the finished child processes so far: a machine's other load moves the
+    wall time of a compilation, not this."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
 def _run(flags: list[str], out: Path, env: dict[str, str]) -> dict:
+    cpu = _cpu_seconds()
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-c", CHILD, "train", *flags, "--out", str(out), "--quiet"],
@@ -62,7 +72,7 @@ def _run(flags: list[str], out: Path, env: dict[str, str]) -> dict:
         capture_output=True,
         text=True,
     )
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
     if done.returncode != 0:
         sys.stderr.write(done.stderr)
         raise SystemExit(f"raytrm train failed ({done.returncode})")
@@ -72,7 +82,7 @@ def _run(flags: list[str], out: Path, env: dict[str, str]) -> dict:
     )
     summary = json.loads((out / "summary.json").read_text())
     lr = yaml.safe_load((out / "config.yaml").read_text())["training"]["lr"]
-    return {"process_seconds": seconds, "summary": summary, "counters": counters, "lr": lr}
+    return {"process_seconds": seconds, "cpu_seconds": cpu, "summary": summary, "counters": counters, "lr": lr}
 
 
 def main() -> int:
@@ -89,7 +99,7 @@ def main() -> int:
         _prepare_data(flags, env)
         print(f"raytrm train {' '.join(flags)}  (RAYTRM_CACHE_DIR={cache})")
         print(f"{'run':<8}{'setup s':>9}{'warm-up s':>11}{'to steady s':>13}{'steps':>7}{'steady samples/s':>18}"
-              f"{'process s':>11}  compile caches")  # fmt: skip
+              f"{'process s':>11}{'CPU s':>9}  compile caches")  # fmt: skip
         for name in ("first", "second"):
             r = _run(flags, Path(work) / name, env)
             s = r["summary"]
@@ -104,7 +114,7 @@ def main() -> int:
             print(
                 f"{name:<8}{s['setup_seconds']:>9.1f}{s['warmup_seconds']:>11.1f}"
                 f"{s['setup_seconds'] + s['warmup_seconds']:>13.1f}{s['warmup_steps']:>7}{steady:>18.1f}"
-                f"{r['process_seconds']:>11.1f}  {caches}"
+                f"{r['process_seconds']:>11.1f}{r['cpu_seconds']:>9.1f}  {caches}"
             )
             scores = (
                 f", eval cell accuracy {s['eval_cell_acc']:.3f} (copying the givens {s['eval_copy_givens_acc']:.3f})"
