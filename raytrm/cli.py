@@ -145,7 +145,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         summary = run_training(experiment, run_dir, resume=args.resume, progress=not args.quiet)
     print(format_summary(summary, run_dir))
-    return 0
+    return 130 if str(summary.get("stop_reason") or "").startswith("interrupted") else 0
 
 
 def format_summary(summary: dict, run_dir: object) -> str:
@@ -173,14 +173,32 @@ def format_summary(summary: dict, run_dir: object) -> str:
         if summary.get("workers")
         else ""
     )
+    stopped = f", stopped: {summary['stop_reason']}" if summary.get("stop_reason") else ""
     lines = [
-        f"trained {summary['steps']} steps{workers} in {summary['train_seconds']:.1f} s "
-        f"({summary['samples_per_sec']:.1f} samples/s, {tokens}{summary['device']} {summary['dtype']}), "
+        f"trained {summary['steps']} steps{workers} in {summary['train_seconds']:.1f} s{stopped}",
+        f"{_rates(summary, tokens)}; {summary['device']} {summary['dtype']}, "
         f"peak memory {summary['peak_rss_mb']:.0f} MiB",
         scores,
         f"run directory {run_dir}: metrics.jsonl, summary.json, checkpoint {summary['checkpoint']}",
     ]
     return "\n".join(lines)
+
+
+def _rates(summary: dict, tokens: str) -> str:
+    """The warm-up (setup and first steps) apart from the steady rate (a summary of an older run has one rate)."""
+    overall = f"{summary['samples_per_sec']:.1f} samples/s, {tokens}".rstrip(", ")
+    if "warmup_seconds" not in summary:
+        return overall
+    warmup = (
+        f"warm-up {summary['setup_seconds'] + summary['warmup_seconds']:.1f} s (setup {summary['setup_seconds']:.1f} "
+        f"s and the first {summary['warmup_steps']} step(s))"
+    )
+    steady = summary.get("steady_samples_per_sec")
+    if not steady:
+        return f"{warmup}, no steady step after it ({overall} over all)"
+    scale = steady / summary["samples_per_sec"]
+    steady_tokens = f", {summary['tokens_per_sec'] * scale:.0f} tokens/s" if tokens else ""
+    return f"{warmup}, then {steady:.1f} samples/s{steady_tokens} over {summary['steady_steps']} steady step(s)"
 
 
 def cmd_data(args: argparse.Namespace) -> int:

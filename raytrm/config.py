@@ -214,6 +214,17 @@ class TrainConfig:
     eval_interval: int | None = spec(None, "steps between evaluations; None = only at the end", ge=1)
     checkpoint_interval: int | None = spec(None, "steps between checkpoints; None = only at the end", ge=1)
     seed: int = spec(0, "seed of weights, data order and halting exploration")
+    # -- training health (raytrm.train.health): live checks of the loss and the gradient --
+    health_checks: bool = spec(
+        True, "warn, with the fix, when the run is not learning, goes non-finite, spikes, rises or plateaus"
+    )
+    not_learning_steps: int = spec(
+        40, "steps in a row after the warm-up at the labels' entropy and chance accuracy that mean 'not learning'", ge=1
+    )
+    plateau_steps: int = spec(200, "steps in which the loss falling less than 1% is a plateau", ge=1)
+    early_stop: bool = spec(
+        False, "end the run when it is not learning, goes non-finite or reaches a plateau (evaluated and saved)"
+    )
 
     def validate(self, source: str, prefix: str = "training") -> None:
         micro = self.micro_batch_size

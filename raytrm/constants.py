@@ -49,3 +49,22 @@ def cache_dir() -> Path:
 def fastpaths_setting() -> str:
     """$RAYTRM_FASTPATHS as given, lower case: on (the default) or off; raytrm.fastpaths.registry checks it."""
     return os.environ.get(FASTPATHS_ENV, DEFAULT_FASTPATHS).strip().lower()
+
+
+# -- compile caches (raytrm.train.compile.use_compile_caches) --
+#: torch's and Triton's own knobs for where compiled artifacts persist. Where unset, raytrm points them under its
+#: cache dir, so that runs and tuning trials on one machine reuse what an earlier one compiled (each cache is keyed by
+#: what it compiled: a changed model compiles anew).
+INDUCTOR_CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+TRITON_CACHE_DIR_ENV = "TRITON_CACHE_DIR"
+TRITON_CACHE_AUTOTUNING_ENV = "TRITON_CACHE_AUTOTUNING"  # Triton >= 3.4 keeps @triton.autotune's picks on disk
+
+
+def compile_cache_env() -> dict[str, str]:
+    """The compile caches' settings raytrm gives where they are unset: directories under the cache dir's compile/."""
+    root = cache_dir() / "compile"
+    return {
+        INDUCTOR_CACHE_DIR_ENV: str(root / "inductor"),
+        TRITON_CACHE_DIR_ENV: str(root / "triton"),
+        TRITON_CACHE_AUTOTUNING_ENV: "1",
+    }

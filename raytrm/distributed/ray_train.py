@@ -219,7 +219,7 @@ def _elastic(count: int) -> int | tuple[int, int]:
 
 
 def _fit(job: dict, count: int, on_cluster: bool, nodes: Sequence[Node], run_dir: Path, max_failures: int) -> None:
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from raytrm.hardware import device as devices
@@ -243,6 +243,10 @@ def _fit(job: dict, count: int, on_cluster: bool, nodes: Sequence[Node], run_dir
             name=f"train-{uuid.uuid4().hex[:8]}",
             storage_path=str((run_dir / "ray").resolve()),
             failure_config=FailureConfig(max_failures=max_failures),
+            # Ray Train's own INFO lines (state changes, reports) stay in its log files under the session's
+            # logs/train/ (the workers' are dropped from the console by _ray_info_off_console): the terminal shows
+            # raytrm's progress line and Ray Train's warnings.
+            logging_config=LoggingConfig(log_level="WARNING"),
         ),
     )
     from ray.train import WorkerGroupError
@@ -306,6 +310,29 @@ def without_machine_settings(config: cfg.ExperimentConfig, keep: Sequence[str] =
     return dataclasses.replace(config, training=dataclasses.replace(config.training, grad_accum_steps=1, **unset))
 
 
+class _RayInfoOffConsole(logging.Filter):
+    """Drops Ray's own records below WARNING (Ray Train logs a line for every report on every worker, under a logger
+    named by its file, which its LoggingConfig does not reach); its log files under the session's logs/train/ keep
+    them."""
+
+    def __init__(self, ray_dir: str) -> None:
+        super().__init__()
+        self.ray_dir = ray_dir
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.pathname.startswith(self.ray_dir)
+
+
+def _ray_info_off_console() -> None:
+    """On a worker: the console handlers Ray gave the root logger (not its files) drop Ray's INFO lines."""
+    import ray
+
+    quiet = _RayInfoOffConsole(os.path.dirname(ray.__file__))
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.addFilter(quiet)
+
+
 def _worker_loop(job: dict) -> None:
     import ray.train
 
@@ -320,6 +347,7 @@ def _worker_loop(job: dict) -> None:
     level = os.environ.get(LOG_LEVEL_ENV, DEFAULT_LOG_LEVEL).upper() if rank == 0 else "WARNING"
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")  # no-op where Ray set a handler
     logging.getLogger("raytrm").setLevel(level)
+    _ray_info_off_console()
     tier = _node_tier()
     config = worker_config(job, tier)
     sync = ProcessGroupSync(devices.pick_device(config.training.device))

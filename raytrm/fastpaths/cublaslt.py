@@ -3,9 +3,11 @@
 torch.mm asks cuBLAS, which runs the first algorithm of its heuristic; at TRM's shapes that is often not the fastest
 of those cuBLASLt's heuristic offers. So, as PyTorch's TunableOp does for ROCm's libraries, the first call of each
 shape times the heuristic's algorithms and torch.mm on the call's own operands, and that shape keeps the fastest for
-the rest of the process. Only an algorithm whose result equals torch.mm's to the bit on that call may win, so the
-choice changes how fast a product runs, never what it gives: algorithms that sum in another order (split-K ones)
-show it at once on tens of millions of outputs. The choices are logged, one line a shape.
+the rest of the process, and for later processes on the same GPU, driver and cuBLASLt (raytrm.fastpaths.tuned).
+Only an algorithm whose result equals torch.mm's to the bit on that call may win, and a kept choice is checked the
+same way on its first call, so the choice changes how fast a product runs, never what it gives: algorithms that sum
+in another order (split-K ones) show it at once on tens of millions of outputs. The choices timed are logged, one
+line a shape.
 
 It serves the operation linear (raytrm's Linear layers, forward and both gradients) through the operator
 torch.ops.raytrm.mm (`mm` is its differentiable form), which torch.compile keeps as it is where it would call cuBLAS
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from raytrm.fastpaths.registry import Backend
+from raytrm.fastpaths.tuned import TunedChoices, store_path
 from raytrm.hardware import device as devices
 
 logger = logging.getLogger(__name__)
@@ -173,6 +176,7 @@ class _Plan:
 _handles: dict[int, ctypes.c_void_p] = {}
 _workspaces: dict[int, torch.Tensor] = {}
 _plans: dict[tuple, _Plan] = {}
+_kept: dict[int, TunedChoices] = {}
 _ALPHA, _BETA = ctypes.c_float(1.0), ctypes.c_float(0.0)
 _ALPHA_REF, _BETA_REF = ctypes.byref(_ALPHA), ctypes.byref(_BETA)
 
@@ -324,15 +328,66 @@ def available(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def _choices(device: int) -> TunedChoices:
+    """The choices kept for this GPU, driver and cuBLASLt: another of either may rank the algorithms otherwise."""
+    if device not in _kept:
+        lib = _library()
+        lib.cublasLtGetVersion.restype = ctypes.c_size_t
+        name = torch.cuda.get_device_name(device)
+        _kept[device] = TunedChoices(
+            store_path("cublaslt", name, f"driver{_driver_version()}", f"cublaslt{lib.cublasLtGetVersion()}")
+        )
+    return _kept[device]
+
+
+def _driver_version() -> str:
+    try:
+        version = ctypes.c_int()
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
+        return str(version.value)
+    except (OSError, AttributeError):
+        return "unknown"
+
+
+def _choice_key(a: torch.Tensor, b: torch.Tensor, alignment: int) -> str:
+    return f"{tuple(a.shape)}{a.stride()}@{tuple(b.shape)}{b.stride()} {a.dtype} aligned {alignment}"
+
+
+def _kept_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alignment: int, algo: list | None) -> _Plan | None:
+    """The plan of a choice an earlier process made for this shape, if it still gives torch.mm's bits here."""
+    desc, layouts, _ = _candidates(a, b, alignment)
+    device = a.device.index
+    plan = _Plan(desc, layouts, None, _handle(device), _workspace(device).data_ptr())
+    if algo is None:
+        return plan
+    plan.algo = _Algo()
+    plan.algo.data[:] = algo
+    try:
+        _run(plan, plan.algo, a, b, out)
+    except RuntimeError:
+        return None
+    return plan if torch.equal(out, torch.mm(a, b)) else None
+
+
 def _plan(a: torch.Tensor, b: torch.Tensor) -> _Plan | None:
-    """The plan for a @ b's shape, layouts, dtype and alignment, timed now if this is its first call (None inside a
-    CUDA graph's capture, where nothing can be timed: torch.mm serves that call)."""
+    """The plan for a @ b's shape, layouts, dtype and alignment: kept from an earlier process on this GPU, or timed
+    now if this is its first call (None inside a CUDA graph's capture, where nothing can be timed or checked: torch.mm
+    serves that call)."""
     if not available(a, b):
         return _Plan()
     out = a.new_empty(a.shape[0], b.shape[1])
     if torch.cuda.is_current_stream_capturing():
         return None
-    return _tune(a, b, out, _alignment(a, b, out))
+    alignment = _alignment(a, b, out)
+    choices, key = _choices(a.device.index), _choice_key(a, b, alignment)
+    found, algo = choices.get(key)
+    plan = _kept_plan(a, b, out, alignment, algo) if found else None
+    if plan is not None:
+        logger.debug("Products %s: %s, as measured by an earlier run", key, "cuBLASLt" if algo else "torch.mm")
+        return plan
+    plan = _tune(a, b, out, alignment)
+    choices.put(key, list(plan.algo.data) if plan.algo is not None else None)
+    return plan
 
 
 def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

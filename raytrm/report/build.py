@@ -87,6 +87,11 @@ def format_diagnosis(
     parts.append(f"{record.time_s[-1]:.1f} s in training steps")
     if len(rates):
         parts.append(f"median {float(np.median(rates)):.1f} samples/s")
+    if summary.get("steady_samples_per_sec"):
+        warmup = summary.get("setup_seconds", 0.0) + summary.get("warmup_seconds", 0.0)
+        parts.append(f"steady {summary['steady_samples_per_sec']:.1f} samples/s after a {warmup:.1f} s warm-up")
+    if summary.get("stop_reason"):
+        parts.append(f"stopped: {summary['stop_reason']}")
     if summary.get("device"):
         parts.append(f"{summary['device']} {summary.get('dtype', '')}".strip())
     if record.threads:

@@ -14,6 +14,7 @@ from typing import Any
 
 from raytrm.config import THERMAL_STATES
 from raytrm.report.runs import RunRecord
+from raytrm.train import health
 from raytrm.train.thermal_guard import GuardSettings
 
 #: A peak under half the budget leaves as much memory unused as the step uses: the micro-batch could at least double
@@ -274,7 +275,28 @@ def time_findings(record: RunRecord) -> list[Finding]:
     ]
 
 
+def health_findings(record: RunRecord) -> list[Finding]:
+    """What the run's health checks found as it trained, in their own words (the warning line's reason and fix)."""
+    found = [health.Finding.from_event(event) for event in record.events]
+    return [Finding(f.name, f"{f.reason} (step {f.step})", f.fix) for f in found if f is not None]
+
+
+def stop_findings(record: RunRecord) -> list[Finding]:
+    """A run that stopped early (interrupted, early stop) says so; steps reached and time budgets are its plan."""
+    reason = str((record.summary or {}).get("stop_reason") or "")
+    if not reason.startswith(("interrupted", "early stop")):
+        return []
+    fix = (
+        "continue it with `raytrm train --out RUN_DIR --resume` (its last checkpoint was saved at the stop)"
+        if reason.startswith("interrupted")
+        else "the finding above says why; fix it and start a new run"
+    )
+    return [Finding("stopped early", reason, fix)]
+
+
 RULES: tuple[Callable[[RunRecord], list[Finding]], ...] = (
+    health_findings,
+    stop_findings,
     memory_findings,
     thermal_findings,
     cpu_findings,

@@ -26,7 +26,7 @@ LOSS_BASELINES = ("eval_unigram_bits_per_byte",)
 SCORE_KEYS = ("accuracy", "exact_accuracy", "eval_cell_acc", "eval_exact_acc", "eval_accuracy", "eval_macro_f1")
 SCORE_BASELINES = ("eval_copy_givens_acc", "eval_majority_acc")
 
-EVENT_COLORS = {"memory": "tab:blue", "thermal": "tab:red", "rebalance": "tab:green"}
+EVENT_COLORS = {"memory": "tab:blue", "thermal": "tab:red", "rebalance": "tab:green", "health": "tab:orange"}
 #: More labels than this overlap into a smear: past it the dotted lines stay, their labels go.
 MAX_EVENT_LABELS = 12
 TIME_LABEL = "seconds in training steps"
@@ -34,10 +34,13 @@ DPI = 100
 
 
 def event_kind(event: dict[str, Any]) -> str:
-    """memory (the governor's choose, shrink, grow, out-of-memory), thermal (thermal-*) or rebalance."""
+    """memory (the governor's choose, shrink, grow, out-of-memory), thermal (thermal-*), health (health-*) or
+    rebalance."""
     name = str(event.get("event"))
     if name.startswith("thermal-"):
         return "thermal"
+    if name.startswith("health-"):
+        return "health"
     return "rebalance" if name == "rebalance" else "memory"
 
 
@@ -113,7 +116,11 @@ def plot_training(record: RunRecord, out: Path) -> Path | None:
 
 
 def plot_throughput(record: RunRecord, out: Path) -> Path | None:
-    """samples/s over training time; with several workers, each worker's rate and the sync share of its step."""
+    """samples/s over training time; with several workers, each worker's rate and the sync share of its step.
+
+    A worker's rate is its share over its own compute, without the gradient sync: what it would train alone at that
+    share. The rates do not add up to the run's (which waits for the sync and the slowest worker), and are labelled
+    so, dashed beside the run's."""
     index, rate = record.series("samples_per_sec")
     if not len(index):
         return None
@@ -121,13 +128,16 @@ def plot_throughput(record: RunRecord, out: Path) -> Path | None:
     fig = Figure(figsize=(12, 7 if rows else 4))
     axes = fig.subplots(2 if rows else 1, 1, squeeze=False)[:, 0]
     ax = axes[0]
-    ax.plot(record.time_s[index], rate, label="all workers" if rows else "samples/s", color="black")
+    ax.plot(
+        record.time_s[index], rate, label="the run (all workers, with the sync)" if rows else "samples/s", color="black"
+    )
     if rows:
         where = np.array([i for i, _ in rows])
         ranks = sorted({w["rank"] for _, workers in rows for w in workers})
         for rank in ranks:
             theirs = [next((w for w in workers if w["rank"] == rank), {}) for _, workers in rows]
-            ax.plot(record.time_s[where], [w.get("samples_per_sec", np.nan) for w in theirs], label=f"worker {rank}")
+            rates = [w.get("samples_per_sec", np.nan) for w in theirs]
+            ax.plot(record.time_s[where], rates, linestyle="--", label=f"worker {rank}: compute only, without the sync")
             axes[1].plot(record.time_s[where], [sync_share(w) for w in theirs], label=f"worker {rank}")
         axes[1].set_ylabel("sync share of step\n(with waiting for others)")
         axes[1].set_xlabel(TIME_LABEL)

@@ -17,15 +17,20 @@ The plan (`plan_compile`) depends on the device and the torch build, and is logg
 - cpu: inductor needs a C++ compiler; `auto` stays eager on a CPU (the compiled region measured no faster on this
   project's 2-core CPU), `on` compiles where a compiler is found.
 A region whose compilation fails on first use runs eagerly from then on, with one warning naming the error.
+Compiled artifacts persist under raytrm's cache dir (`use_compile_caches`), so a second identical run, or the next
+tuning trial of the same model, loads them instead of compiling again.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from raytrm.constants import compile_cache_env
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +137,24 @@ class Compiled:
                 self.failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
                 logger.warning("torch.compile of %s failed (%s); it runs eagerly from now on", self.what, self.failed)
         return self.eager(*args, **kwargs)
+
+
+def use_compile_caches() -> dict[str, str]:
+    """Keep compiled artifacts where the next run on this machine finds them; returns the settings in force.
+
+    inductor's FX graph cache and AOTAutograd's cache (on by default in torch, in a temporary directory) and Triton's
+    kernels and autotuning picks go under raytrm's cache dir (raytrm.constants.compile_cache_env), unless the
+    environment names other places. Call before the model is built: Triton reads its autotuning switch when a
+    kernel is defined. AOTAutograd would refuse to cache a graph holding a custom autograd Function (the fast paths'
+    products); dynamo traces such a Function's forward and backward into the graph, so the cache key holds them.
+    """
+    for name, value in compile_cache_env().items():
+        os.environ.setdefault(name, value)
+    import torch._functorch.config as functorch_config
+
+    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):  # torch >= 2.7
+        functorch_config.autograd_cache_allow_custom_autograd_functions = True
+    return {name: os.environ[name] for name in compile_cache_env()}
 
 
 def compile_regions(

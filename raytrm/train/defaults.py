@@ -16,17 +16,25 @@ from typing import Any
 
 from raytrm import config as cfg
 from raytrm.errors import UserError
+from raytrm.train.size_rule import ANCHORS, size_rule
 
 logger = logging.getLogger(__name__)
 
 #: The embedded default of `raytrm train`: small enough for a laptop's CPU, large enough to learn Sudoku rules.
 DEFAULT_EXPERIMENT: dict[str, Any] = {
-    "model": {"variant": "mlp_t", "hidden_size": 64, "L_layers": 2, "H_cycles": 2, "L_cycles": 2, "halt_max_steps": 2},
+    "model": {
+        "variant": "mlp_t",
+        "hidden_size": ANCHORS["trm"].width,
+        "L_layers": 2,
+        "H_cycles": 2,
+        "L_cycles": 2,
+        "halt_max_steps": 2,
+    },
     "data": {"name": "sudoku", "train_puzzles": 4000, "test_puzzles": 200, "augment": 4, "givens": 40},
     "training": {
         "global_batch_size": 64,
-        "lr": 3e-3,
-        "warmup_steps": 20,
+        "lr": ANCHORS["trm"].lr,
+        "warmup_steps": ANCHORS["trm"].warmup_steps,
         "weight_decay": 0.1,
         "puzzle_emb_lr": 1e-2,
         "puzzle_emb_weight_decay": 0.1,
@@ -40,12 +48,19 @@ DEFAULT_EXPERIMENT: dict[str, Any] = {
 #: The embedded default of `raytrm train --model transformer`: a small byte-level LM on the standard library's
 #: sources that shows bits per byte falling within a few minutes on a laptop's CPU.
 DEFAULT_TRANSFORMER_EXPERIMENT: dict[str, Any] = {
-    "model": {"name": "transformer", "task": "lm", "hidden_size": 128, "num_heads": 4, "layers": 3, "seq_len": 128},
+    "model": {
+        "name": "transformer",
+        "task": "lm",
+        "hidden_size": ANCHORS["transformer"].width,
+        "num_heads": 4,
+        "layers": 3,
+        "seq_len": 128,
+    },
     "data": {"name": "text"},
     "training": {
         "global_batch_size": 32,
-        "lr": 2e-3,
-        "warmup_steps": 50,
+        "lr": ANCHORS["transformer"].lr,
+        "warmup_steps": ANCHORS["transformer"].warmup_steps,
         "weight_decay": 0.1,
         "grad_clip": 1.0,
         "time_budget_s": 180.0,
@@ -53,6 +68,40 @@ DEFAULT_TRANSFORMER_EXPERIMENT: dict[str, Any] = {
         "eval_interval": 200,
     },
 }
+
+
+#: The flags that move a model away from the embedded default; the size rule then sets its lr and warm-up.
+SIZE_FIELDS = {
+    ("model", "variant"),
+    ("model", "hidden_size"),
+    ("model", "H_cycles"),
+    ("model", "L_cycles"),
+    ("model", "L_layers"),
+    ("model", "layers"),
+    ("training", "global_batch_size"),
+}
+
+
+def _apply_size_rule(experiment: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The embedded default moved by flags to another size: its lr and warm-up by the size rule, unless given."""
+    moved = sorted(f"{s}.{n}" for s, values in overrides.items() for n in values if (s, n) in SIZE_FIELDS)
+    training = overrides.get("training", {})
+    if not moved or "lr" in training:
+        return experiment
+    config = cfg.from_dict(cfg.ExperimentConfig, experiment, "the embedded default + flags")
+    lr, warmup, why = size_rule(config.model)
+    experiment["training"]["lr"] = lr
+    if warmup is not None and "warmup_steps" not in training:
+        experiment["training"]["warmup_steps"] = warmup
+    logger.info(
+        "learning rate %.3g, warm-up %d steps: %s moved the embedded default, and the size rule gives %s "
+        "(--lr sets it yourself)",
+        lr,
+        experiment["training"]["warmup_steps"],
+        ", ".join(moved),
+        why,
+    )
+    return experiment
 
 
 def _merge(base: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -174,6 +223,8 @@ def resolve_experiment(
         base = copy.deepcopy(default)
         source = "the embedded default"
     merged = _merge(base, overrides)
+    if source == "the embedded default":
+        merged = _apply_size_rule(merged, overrides)
     source = source if not overrides else f"{source} + flags"
     experiment = cfg.from_dict(cfg.ExperimentConfig, merged, source)
     # Bad input is one line: the config and its data path are checked before the machine's tier is looked up

@@ -1,10 +1,12 @@
-"""What `raytrm train` records as it goes, as hooks of the loop: metrics.jsonl with the progress line, checkpoints.
+"""What `raytrm train` records as it goes, as hooks of the loop: metrics.jsonl with the progress line, each step's
+time (the summary's warm-up apart from its steady rate), checkpoints.
 
 With several workers every rank runs these hooks (a checkpoint is a collective), and rank 0 alone writes.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,8 @@ class MetricsRows(Hook):
             **tokens_per_sec(trainer, rate),
             "loss": result.loss,
             **result.metrics,
+            "grad_norm": result.grad_norm,
+            "update_ratio": result.update_ratio,
             "lr": trainer.current_lr,
             **trainer.resources.sample(),
             **step.heat,
@@ -73,6 +77,57 @@ class MetricsRows(Hook):
         shown["acc"] = self.last_accuracy if self.last_accuracy is not None else "-"
         shown["rss_mb"] = record["rss_mb"]
         self.bar.update(trainer.step, shown)
+
+
+#: A step slower than this many times the median of the steps after the memory probe still warms up.
+WARM_STEP = 2.0
+
+
+class StepTimes(Hook):
+    """Each step's time, for the summary's warm-up apart from its steady rate.
+
+    The warm-up is the run's setup (building the trainer, opening the data, resuming) and its first steps: every
+    step until the memory governor has stopped probing, then until the first step that takes at most WARM_STEP times
+    the median step of the rest (compilation, CUDA graph recording and the allocator's first requests make the first
+    steps slow). The steady rate is the samples over the training seconds of the steps after it. Place after the
+    memory governor, whose probing it reads.
+    """
+
+    def __init__(self, started: float) -> None:
+        self.started = started  # the clock when the run began to build its trainer
+        self.setup_seconds = 0.0
+        self.steps: list[tuple[float, int, float, bool]] = []  # (seconds, samples, end on the run's clock, probing)
+
+    def start(self, loop: Loop) -> None:
+        self.setup_seconds = loop.clock() - self.started
+
+    def after_step(self, loop: Loop, step: Step) -> None:
+        self.steps.append((step.result.seconds, step.result.samples, loop.step_end, loop.probing))
+
+    def warmup_steps(self) -> int:
+        """How many of the run's first steps are warm-up (all of them when none is steady yet)."""
+        probed = next((i + 1 for i, (*_, probing) in enumerate(self.steps) if not probing), len(self.steps))
+        first = max(1, probed)
+        rest = [seconds for seconds, *_ in self.steps[first:]]
+        if not rest:
+            return len(self.steps)
+        median = statistics.median(rest)
+        steady = (i for i in range(first, len(self.steps)) if self.steps[i][0] <= WARM_STEP * median)
+        return next(steady, len(self.steps))
+
+    def summary(self) -> dict[str, Any]:
+        """The summary's warm-up and steady figures: setup and warm-up seconds, steps of each, the steady rate."""
+        warm = self.warmup_steps()
+        steady = self.steps[warm:]
+        seconds = sum(s for s, *_ in steady)
+        rate = sum(n for _, n, *_ in steady) / seconds if steady and seconds > 0 else None
+        return {
+            "setup_seconds": self.setup_seconds,
+            "warmup_seconds": self.steps[warm - 1][2] if warm else 0.0,
+            "warmup_steps": warm,
+            "steady_steps": len(steady),
+            "steady_samples_per_sec": rate,
+        }
 
 
 class Checkpoints(Hook):

@@ -1,15 +1,18 @@
 """A training run on disk: the resolved config, metrics.jsonl, checkpoints and summary.json in one directory.
 
-`run_training` builds the Trainer, picks the loop's hooks (stop rules, memory governor, thermal guard, peers,
-evaluations, metrics, checkpoints), runs raytrm.train.loop and writes the summary. With several workers (a sync
+`run_training` builds the Trainer, picks the loop's hooks (stop rules, Ctrl-C and SIGTERM, memory governor, thermal
+guard, step times, peers, health checks, evaluations, metrics, checkpoints), runs raytrm.train.loop and writes the
+summary: why the run stopped, and its warm-up apart from its steady rate. With several workers (a sync
 object), every rank runs this same loop; rank 0 alone writes the run directory, evaluates and shows progress, and
 the others read its checkpoint through the sync object when resuming.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,12 +22,13 @@ from raytrm.errors import UserError
 from raytrm.hardware.pressure import MemoryReader
 from raytrm.hardware.thermal import ThermalReader
 from raytrm.train.adaptive import GovernorSettings
+from raytrm.train.health import EARLY_STOP_HALTS, Health
 from raytrm.train.loop import Hook, Loop
 from raytrm.train.memory_budget import MemoryBudget
 from raytrm.train.metrics import MetricsLog, Progress
 from raytrm.train.peers import Peers
-from raytrm.train.recording import Checkpoints, MetricsRows, tokens_per_sec
-from raytrm.train.schedule import IntervalEvaluation, StepLimit, TimeBudget
+from raytrm.train.recording import Checkpoints, MetricsRows, StepTimes, tokens_per_sec
+from raytrm.train.schedule import Interrupts, IntervalEvaluation, StepLimit, TimeBudget
 from raytrm.train.sync import GradientSync
 from raytrm.train.thermal_guard import ThermalGuard, ThermalHook
 from raytrm.train.trainer import Trainer
@@ -70,6 +74,7 @@ def run_training(
     lets measured step times move the shares, and `on_checkpoint(step, path)` is told of each checkpoint on every
     rank (the path on rank 0, None elsewhere).
     """
+    started = time.perf_counter()
     train = config.training
     if not train.steps and not train.time_budget_s:
         raise UserError("training needs a stopping rule; give --steps N or --time-budget SECONDS")
@@ -104,19 +109,28 @@ def run_training(
         )
         thermal = ThermalHook(thermal_reader or ThermalReader(), guard)
         evaluations = IntervalEvaluation(trainer, train.eval_interval)
+        times = StepTimes(started)
+        alone = trainer.sync.world_size == 1
+        interrupts = Interrupts() if alone else None  # with several workers, Ray ends the workers itself
+        health = Health(trainer, halt_on=EARLY_STOP_HALTS if train.early_stop else ()) if train.health_checks else None
         hooks: list[Hook | None] = [
             StepLimit(train.steps) if train.steps else None,
             TimeBudget(train.time_budget_s) if train.time_budget_s else None,
+            interrupts,
             memory,  # decides the cut from the step's peak, then the heat scales it: in this order
             thermal,
+            times,  # reads whether the memory governor still probes
             peers,  # exchanges once this worker's cut is decided
+            health,  # its events go into this step's metrics line
             evaluations,
             MetricsRows(trainer, log, bar, evaluations.row_scores),
             checkpoints,  # after the final evaluation, as before the loop
         ]
         loop = Loop(trainer, [h for h in hooks if h is not None], logged=lambda step: _logged(step, train))
-        loop.run()
+        with interrupts.installed() if interrupts is not None else contextlib.nullcontext():
+            loop.run()
         summary = _summary(trainer, loop, memory, thermal, peers, evaluations.final, checkpoints.last)
+        summary.update(times.summary())
     finally:
         bar.close()
         if log is not None:
@@ -133,6 +147,15 @@ def _logged(step: int, train: cfg.TrainConfig) -> bool:
     return step % train.log_interval == 0 or step == train.steps
 
 
+def _stop_text(reason: str | None, train: cfg.TrainConfig) -> str | None:
+    """Why the run ended, with the limit it reached."""
+    if reason == "steps reached":
+        return f"steps reached ({train.steps})"
+    if reason == "time budget":
+        return f"time budget ({train.time_budget_s:g} s)"
+    return reason
+
+
 def _summary(
     trainer: Trainer,
     loop: Loop,
@@ -146,6 +169,7 @@ def _summary(
     train = trainer.config.training
     rate = trainer.samples_seen_this_run / max(loop.train_seconds, 1e-9)
     return {
+        "stop_reason": _stop_text(loop.stop_reason, train),
         "steps": trainer.step,
         "samples_seen": trainer.samples_seen,
         "wall_seconds": loop.now(),

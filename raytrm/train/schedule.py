@@ -1,18 +1,25 @@
 """When a run ends and when it evaluates: the loop's stop rules and evaluation schedules.
 
-Stop rules end a run by steps, samples or time; a trial's warm-up and window (raytrm.tune.window) is one more. The
+Stop rules end a run by steps, samples, time or a signal (Ctrl-C, SIGTERM); a trial's warm-up and window
+(raytrm.tune.window) is one more. The
 evaluation schedules are `raytrm train`'s (every eval_interval steps, into the metrics row, and at the end) and
 `Evaluations` at the points of a schedule: a trial's rungs, a curve's sample counts, taken off the run's clock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from collections.abc import Callable, Sequence
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from raytrm.train.loop import Hook, Loop
 from raytrm.train.trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 
 class StepLimit(Hook):
@@ -43,6 +50,44 @@ class TimeBudget(Hook):
 
     def stop(self, loop: Loop) -> str | None:
         return "time budget" if loop.agreed(loop.t >= self.seconds) else None
+
+
+class Interrupts(Hook):
+    """Ctrl-C or SIGTERM ends a run alone at the next step boundary, so it ends as any run does: its final
+    evaluation, checkpoint and summary. A second signal interrupts at once. Handlers are installed only in the main
+    thread (signal's rule) and only while `installed` holds; with several workers, Ray ends the workers itself.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.getsignal(sig) for sig in self.SIGNALS}
+
+        def handle(number: int, frame: object) -> None:
+            if self.received is not None:  # asked twice: stop now
+                raise KeyboardInterrupt
+            self.received = signal.Signals(number).name
+            logger.warning(
+                "%s: stopping after this step (final evaluation and checkpoint); again to stop now", self.received
+            )
+
+        for sig in self.SIGNALS:
+            signal.signal(sig, handle)
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def stop(self, loop: Loop) -> str | None:
+        return f"interrupted ({self.received})" if self.received is not None else None
 
 
 def evaluate_quality(trainer: Trainer, eval_puzzles: int | None, quality_metric: str) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from raytrm.fastpaths import onednn
 from raytrm.hardware import device as devices
 from raytrm.models.trm import Carry, rows
 from raytrm.train import threaded
-from raytrm.train.compile import compile_regions, plan_compile
+from raytrm.train.compile import compile_regions, plan_compile, use_compile_caches
 from raytrm.train.memory import cut
 from raytrm.train.metrics import ResourceSampler
 from raytrm.train.oom import is_out_of_memory
@@ -68,6 +68,10 @@ class StepResult:
     #: right after them, and until its results reach the host).
     compute_seconds: float = 0.0
     sync_seconds: float = 0.0  # this worker's gradient all-reduce (0 alone)
+    #: The dense weights' gradient norm before clipping (with several workers, the summed gradient's).
+    grad_norm: float | None = None
+    #: ||w_after - w_before|| / ||w_before|| over the dense weights, on steps that asked for it (`watch_update`).
+    update_ratio: float | None = None
 
 
 def lr_at(step: int, train: cfg.TrainConfig, total_steps: int | None) -> float:
@@ -103,6 +107,7 @@ class Trainer:
             self.device, config.model.forward_dtype if config.model.forward_dtype != "auto" else train.dtype
         )
         self.loss_dtype = devices.loss_dtype(self.device)
+        use_compile_caches()  # before the model is built (Triton reads its switches as kernels are defined)
 
         # The task opens the data, seeds torch and builds the model (and TRM's sparse optimizer and carry).
         self.task = make_task(config, self.device, self.dtype, self.loss_dtype)
@@ -126,6 +131,10 @@ class Trainer:
         self.shard = shard(self.shares, self.sync.rank)
         self.cuts = cut(self.local_batch, train.micro_batch)
         self.last_compute_s = self.last_sync_s = 0.0
+        #: Measure the next optimizer step's update/weight ratio (a copy of the weights: asked for on logged steps).
+        self.watch_update = False
+        self._grad_norm: torch.Tensor | None = None
+        self._update_ratio: torch.Tensor | None = None
         #: Fraction of the gradient bytes whose sum started during the last backward, in the latest step.
         self.last_overlap = 0.0
         self._reducer: OverlappedAllReduce | None = None
@@ -232,7 +241,9 @@ class Trainer:
             self.last_compute_s = time.perf_counter() - start
         devices.synchronize(self.device)
         seconds = time.perf_counter() - start
-        return StepResult(self.step, loss, metrics, seconds, self.global_batch, self.last_compute_s, self.last_sync_s)
+        grad_norm, ratio = (float(t) if t is not None else None for t in (self._grad_norm, self._update_ratio))
+        times = (seconds, self.global_batch, self.last_compute_s, self.last_sync_s)
+        return StepResult(self.step, loss, metrics, *times, grad_norm=grad_norm, update_ratio=ratio)
 
     def forward_backward(
         self, batch: dict[str, torch.Tensor] | None = None, on_out_of_memory: Callable[[int], int] | None = None
@@ -394,9 +405,16 @@ class Trainer:
         lr = self.current_lr = lr_at(self.step, train, train.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        # The norm before clipping is the one clipping computes anyway; without clipping, one read of the gradients.
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip)
+            self._grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip)
+        else:
+            self._grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        watched = [p.detach() for p in self.model.parameters() if p.grad is not None] if self.watch_update else []
+        before = torch._foreach_mul(watched, 1.0) if watched else None
         self.optimizer.step()
+        self._update_ratio = _update_ratio(before, watched) if before is not None else None
         self.optimizer.zero_grad(set_to_none=True)
         if self.sparse_optimizer is not None:
             # The embedding follows the same warm-up and schedule, scaled to its own learning rate.
@@ -485,6 +503,14 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"])
         self.task.load_rng_state(state["rng"])
         self._batches = self._prefetched = None  # restart the batch stream at the resumed step
+
+
+def _update_ratio(before: list[torch.Tensor], after: list[torch.Tensor]) -> torch.Tensor:
+    """||after - before|| / ||before|| over all the tensors taken as one vector (on the device, not read)."""
+    torch._foreach_sub_(before, after)  # before now holds minus the update
+    update = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(before)]))
+    weights = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(after)]))
+    return update / weights.clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def _number(value: object) -> bool:

@@ -69,6 +69,7 @@ def learning_curve(
     Each point: samples seen, quality, its standard error over the evaluated examples (where the task reports one),
     and the training seconds so far (evaluation not counted). on_point, if given, gets each point as it is measured.
     """
+    from raytrm.train.health import Health
     from raytrm.train.loop import Loop
     from raytrm.train.schedule import Evaluations, SampleLimit, evaluate_quality
     from raytrm.train.trainer import Trainer
@@ -95,7 +96,9 @@ def learning_curve(
         lambda loop: evaluate_quality(trainer, eval_puzzles, quality_metric),
         take,
     )
-    loop = Loop(trainer, [SampleLimit(targets[-1] if targets else 0), evaluations], clock=clock, measure_peak=False)
+    health = Health(trainer) if config.training.health_checks else None  # warns; a curve runs to its end
+    hooks = [SampleLimit(targets[-1] if targets else 0), health, evaluations]
+    loop = Loop(trainer, [h for h in hooks if h is not None], clock=clock, measure_peak=False)
     try:
         loop.run()
         train_s = loop.now()

@@ -15,6 +15,7 @@ limit" and TPE can rank infeasible trials by how far they are off:
   counts as within the cap
 - decay: throughput decay - the allowed decay
 - failed: 1 when the trial crashed, was killed or ran out of memory, 0 otherwise
+- learning: 1 when the trial's health checks stopped it as not learning (status not_learning), 0 otherwise
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 from raytrm.config import THERMAL_STATES
 
-CONSTRAINTS = ("memory", "thermal", "decay", "failed")
+CONSTRAINTS = ("memory", "thermal", "decay", "failed", "learning")
 #: Result keys a trial reports (the trial function, fakes in tests and the bench replay all use them).
 QUALITY, THROUGHPUT, PEAK_MB, THERMAL_MAX, DECAY = (
     "quality",
@@ -37,6 +38,8 @@ QUALITY, THROUGHPUT, PEAK_MB, THERMAL_MAX, DECAY = (
 #: Reported beside samples/s by trials of models that count tokens (the language model).
 TOKENS_THROUGHPUT = "tokens_per_sec"
 BUDGET_MB, THERMAL_CAP, MAX_DECAY, STATUS = "memory_budget_mb", "thermal_cap", "max_throughput_decay", "status"
+#: The status of a trial its health checks stopped (raytrm.tune.trial).
+NOT_LEARNING = "not_learning"
 
 
 def metric_names(objective: str) -> list[str]:
@@ -66,8 +69,9 @@ def constraints(result: dict[str, Any]) -> dict[str, float]:
         thermal = float(THERMAL_STATES.index(hottest) - THERMAL_STATES.index(cap))
     decay = (result.get(DECAY) or 0.0) - result.get(MAX_DECAY, 1.0)
     failed = 1.0 if result.get(STATUS) == "failed" else 0.0
+    learning = 1.0 if result.get(STATUS) == NOT_LEARNING else 0.0
     # A clean pass is exactly 0 or below; keep the margins the sampler can learn from, but never NaN.
-    values = {"memory": memory, "thermal": thermal, "decay": decay, "failed": failed}
+    values = {"memory": memory, "thermal": thermal, "decay": decay, "failed": failed, "learning": learning}
     return {k: (v if math.isfinite(v) else 1.0) for k, v in values.items()}
 
 

@@ -27,6 +27,8 @@ def trial_line(result: dict[str, Any], objective: str) -> str:
     budget = result.get("memory_budget_mb")
     peak = f"{result.get('peak_memory_mb') or 0:.0f}" + (f"/{budget:.0f}" if budget else "")
     status = "feasible" if not violated else "INFEASIBLE(" + ",".join(violated) + ")"
+    if result.get("status") == objectives.NOT_LEARNING:
+        status = "NOT LEARNING"
     if result.get("final") is False and result.get("horizon_share"):
         status = f"pruned at {Fraction(result['horizon_share']).limit_denominator(1000)} of the horizon"
     elif result.get("final") is False:
@@ -42,6 +44,8 @@ def trial_line(result: dict[str, Any], objective: str) -> str:
     )
     if result.get("error"):
         line += f" | {str(result['error'])[:120]}"
+    elif result.get("status") == objectives.NOT_LEARNING and result.get("health"):
+        line += f" | {result['health'][0].get('reason', '')[:160]}"
     return line
 
 

@@ -44,6 +44,7 @@ KEPT = (
     "thermal_cap",
     "max_throughput_decay",
     "eval",
+    "health",
     "tier",
     "experiment",
     "hardware",

@@ -32,6 +32,12 @@ def _lost_line(state: dict[str, Any], tier: str) -> list[str]:
     ]
 
 
+def _not_learning(trials: list[Any]) -> str:
+    """How many of a study's trials were stopped as not learning, for a tier's header."""
+    count = sum(1 for t in trials if t.user_attrs.get("status") == objectives.NOT_LEARNING)
+    return f", {count} stopped as not learning" if count else ""
+
+
 def _profile_line(run_dir: Path, tier: str) -> list[str]:
     profile = run_dir / PROFILES_DIR / f"{tier}.yaml"
     return [f"  profile  : {profile}"] if profile.is_file() else []
@@ -45,8 +51,8 @@ def _staged_lines(run_dir: Path, tier: str, state: dict[str, Any]) -> list[str]:
     learning = load_study(state, state["learning_study"]).trials
     lines = [
         f"tier {tier}  (quality at the horizon, {describe_horizon(horizon_of(space))} on this tier; {speed_trials} "
-        f"speed trials here, {len(learning)} learning trials on all tiers, {len(reached_horizon(run_dir))} trained "
-        "to the horizon)",
+        f"speed trials here, {len(learning)} learning trials on all tiers{_not_learning(learning)}, "
+        f"{len(reached_horizon(run_dir))} trained to the horizon)",
         *_lost_line(state, tier),
     ]
     if speed is None:
@@ -89,7 +95,11 @@ def _study_lines(run_dir: Path, tier: str, state: dict[str, Any]) -> list[str]:
     best, space, _ = ranked(run_dir, tier)
     horizon = describe_horizon(horizon_of(space))
     at = f" at the horizon ({horizon})" if horizon and space.objective != "throughput" else ""
-    lines = [f"tier {tier}  ({len(best)} feasible trials, objective {space.objective}{at})", *_lost_line(state, tier)]
+    stopped = _not_learning(load_study(state, state["studies"][tier]).trials)
+    lines = [
+        f"tier {tier}  ({len(best)} feasible trials{stopped}, objective {space.objective}{at})",
+        *_lost_line(state, tier),
+    ]
     if not best:
         return [*lines, "  no feasible trial: no profile"]
     for label, trial in (("best", best[0]), ("runner-up", best[1] if len(best) > 1 else None)):

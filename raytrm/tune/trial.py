@@ -6,8 +6,10 @@ kernel's high-water mark on Linux), the hottest thermal state seen ("unknown" wi
 decay from the start to the end of the window, and the validation quality at the end of its budget
 (raytrm.tune.window). With a memory budget the memory governor probes a quarter and a half of the micro-batch
 first; a predicted peak over the budget stops the trial as over budget, with the prediction, rather than letting
-the kernel kill it (raytrm.train.memory_budget). A trial that fails reports what it measured and status "failed":
-it never vanishes.
+the kernel kill it (raytrm.train.memory_budget). A trial whose health checks find it not learning (its loss at the
+labels' entropy with chance accuracy, or non-finite: raytrm.train.health) stops with status "not_learning", an
+infeasible point rather than a low quality. A trial that fails reports what it measured and status "failed": it
+never vanishes.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def measure(
     evaluate_quality=False measures speed, memory and heat only (a speed trial: quality is left at 0).
     """
     from raytrm.hardware.thermal import ThermalReader
+    from raytrm.train.health import TRIAL_HALTS, Health
     from raytrm.train.loop import Loop
     from raytrm.train.memory_budget import MemoryBudget
     from raytrm.train.schedule import Evaluations
@@ -129,6 +132,7 @@ def measure(
     final: dict[str, Any] = {}  # the scores at the run's end
     trainer: Trainer | None = None
     memory: MemoryBudget | None = None
+    health: Health | None = None
     loop: Loop | None = None
 
     def prediction() -> dict[str, Any]:
@@ -158,10 +162,12 @@ def measure(
         config = cfg.from_dict(cfg.ExperimentConfig, experiment, "<trial>")
         trainer = Trainer(config)
         memory = MemoryBudget.holding(trainer, memory_budget_mb) if memory_budget_mb else None
+        health = Health(trainer, halt_on=TRIAL_HALTS) if config.training.health_checks else None
         hooks = [
             memory,
             window,
             heat,
+            health,
             Evaluations(
                 [share for share, _ in rungs],
                 window.position,
@@ -183,6 +189,8 @@ def measure(
                 result["status"] = "over_budget"
             elif heat.too_hot:
                 result["status"] = "too_hot"  # stopped: the constraint is violated and the machine should cool
+            elif health is not None and health.found(*TRIAL_HALTS):
+                result["status"] = "not_learning"  # stopped: no quality to report, a boundary for the sampler
             if result["status"] == "ok" and evaluate_quality:
                 result.update(final)
                 if horizon:
@@ -197,6 +205,8 @@ def measure(
     finally:
         if trainer is not None:
             trainer.close()
+    if health is not None and health.findings:
+        result["health"] = [finding.event() for finding in health.findings]
     result["thermal_max"] = heat.hottest or "unknown"
     result["ended_at"] = time.time()
     return result

@@ -280,3 +280,21 @@ def test_a_compiled_step_equals_the_eager_one_on_cuda_within_bf16_noise(tiny, mo
     # bf16 rounds differently in fused kernels; the four steps' losses agree to bf16's ~3 significant digits.
     assert losses[mode] == pytest.approx(losses["off"], rel=2e-2)
     assert bool(launches) == (variant == "attention" and hidden == 512 and library.load())
+
+
+def test_compiled_artifacts_persist_under_the_cache_dir_unless_the_environment_says_otherwise(tmp_path, monkeypatch):
+    from raytrm.constants import (
+        CACHE_DIR_ENV,
+        INDUCTOR_CACHE_DIR_ENV,
+        TRITON_CACHE_AUTOTUNING_ENV,
+        TRITON_CACHE_DIR_ENV,
+    )
+    from raytrm.train.compile import use_compile_caches
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(INDUCTOR_CACHE_DIR_ENV, raising=False)
+    monkeypatch.delenv(TRITON_CACHE_AUTOTUNING_ENV, raising=False)
+    monkeypatch.setenv(TRITON_CACHE_DIR_ENV, "/elsewhere/triton")
+    settings = use_compile_caches()
+    assert settings[INDUCTOR_CACHE_DIR_ENV] == str(tmp_path / "compile" / "inductor")
+    assert settings[TRITON_CACHE_DIR_ENV] == "/elsewhere/triton"  # the user's setting stands

@@ -49,3 +49,24 @@ def test_a_lost_tier_says_so(plain_run):
         "  LOST     : its last machine left the cluster; trial(s) [2] died with it (recorded failed, with what they "
         "measured), 1 never ran, nothing was verified"
     )
+
+
+def test_a_trial_stopped_as_not_learning_is_counted_and_never_picked(plain_run):
+    import optuna
+
+    from raytrm.tune import layout
+    from raytrm.tune.progress import trial_line
+    from raytrm.tune.space import space_from_dict
+    from tests.unit.tune.conftest import BASE, PARAMS, _result, _tell
+
+    space = space_from_dict({"raytrm_space": 1, "name": "plain", "base": BASE, "params": PARAMS}, "<test>")
+    study = optuna.load_study(study_name="plain-air", storage=layout.storage_url(plain_run))
+    params = {"training.micro_batch_size": 16, "model.L_cycles": 2}
+    reason = "loss has sat at ln(9)=2.197 for 40 steps"
+    stuck = _result(space, params, status="not_learning", quality=0.9, health=[{"reason": reason}])
+    _tell(study, space, params, stuck, "quality")  # its quality would lead: infeasible, it never does
+    lines = format_table(plain_run).splitlines()
+    assert lines[0] == f"tier {AIR}  (4 feasible trials, 1 stopped as not learning, objective quality)"
+    assert lines[1] == "  best      #3: micro_batch_size=8 L_cycles=2"
+    line = trial_line({**stuck, "tier": AIR, "trial_number": 4, "params": params}, "quality")
+    assert line.startswith(f"[{AIR} #4] NOT LEARNING quality=0.9") and line.endswith(f"| {reason}")
