@@ -72,6 +72,13 @@ TRAIN_FLAGS = {
     "--eval-interval": ("training", "eval_interval", int, "steps between evaluations"),
     "--log-interval": ("training", "log_interval", int, "steps between metrics lines"),
     "--checkpoint-interval": ("training", "checkpoint_interval", int, "steps between checkpoints"),
+    "--sync-mode": (
+        "training",
+        "sync_mode",
+        str,
+        "several workers: auto (from the measured link), exact, compressed (bf16) or local (rounds)",
+    ),
+    "--sync-every": ("training", "sync_every", int, "local rounds: inner steps per round (default: from the link)"),
     "--model": ("model", "name", str, "model family: trm or transformer (default trm)"),
     "--task": ("model", "task", str, "transformer head: lm (next byte) or classify (documents)"),
     "--seq-len": ("model", "seq_len", int, "transformer: bytes per training sequence"),
@@ -311,6 +318,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 args.repeats,
                 args.workers,
                 Path(work),
+                every=args.every,
+                samples=args.samples,
             )
         print(distributed.format_rows(dist_rows))
         results = distributed.as_json(dist_rows)
@@ -563,9 +572,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--parts",
         nargs="+",
         default=["pair", "ray", "sync"],
-        choices=("pair", "ray", "sync", "overlap", "scaling"),
+        choices=("pair", "ray", "sync", "overlap", "scaling", "modes"),
         help="distributed: which measurements (scaling wants --device cuda and --workers 1 2; overlap runs "
-        "max(--workers, 2) workers)",
+        "max(--workers, 2) workers; modes: each sync mode's quality at equal samples, --repeats training seeds)",
+    )
+    p.add_argument(
+        "--every", nargs="+", type=int, default=None, help="distributed modes: H of the local rounds (default 5 20 50)"
+    )
+    p.add_argument(
+        "--samples", type=int, default=None, help="distributed modes: samples each run trains (default 16000)"
     )
     p.add_argument("--slowdown", type=float, default=2.0, help="distributed: how much slower the slow worker is")
     p.add_argument(

@@ -184,11 +184,17 @@ class ModelEMA:
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         """Fold the model's current parameters in; call after each optimizer step."""
-        decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
-        self.updates += 1
-        for name, p in model.named_parameters():
-            if name in self.shadow:
-                self.shadow[name].mul_(decay).add_(p.detach(), alpha=1 - decay)
+        self.fold(model.named_parameters())
+
+    @torch.no_grad()
+    def fold(self, named: Iterable[tuple[str, torch.Tensor]], times: int = 1) -> None:
+        """Fold these (name, value) parameters in `times` times, as that many steps that ended on them would."""
+        named = [(name, p.detach()) for name, p in named if name in self.shadow]
+        for _ in range(times):
+            decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
+            self.updates += 1
+            for name, p in named:
+                self.shadow[name].mul_(decay).add_(p, alpha=1 - decay)
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
