@@ -307,20 +307,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(memory.format_rows(rows, overhead))
         results: object = memory.as_json(rows, overhead)
     elif args.what == "distributed":
-        from raytrm.bench import distributed
+        from raytrm.bench import distributed, modes
 
+        device = args.device if args.device != "auto" else "cpu"
+        parts = [part for part in args.parts if part != "modes"]
         with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
-            dist_rows = distributed.run(
-                args.parts,
-                args.device if args.device != "auto" else "cpu",
-                args.batch,
-                args.slowdown,
-                args.repeats,
-                args.workers,
-                Path(work),
-                every=args.every,
-                samples=args.samples,
+            dist_rows = (
+                distributed.run(parts, device, args.batch, args.slowdown, args.repeats, args.workers, Path(work))
+                if parts
+                else []
             )
+            if "modes" in args.parts:
+                dist_rows += modes.run(Path(work), args.every, args.repeats, args.samples, device)
         print(distributed.format_rows(dist_rows))
         results = distributed.as_json(dist_rows)
     elif args.what == "mix":

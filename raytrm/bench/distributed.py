@@ -11,7 +11,7 @@
   against summed after it, alternated: step time, the sync time left after the backward, and the fraction of the
   gradient bytes that started during it.
 - scaling (`--device cuda --workers 1 2`): samples/s at the reference TRM config on one GPU and on two (NCCL).
-- modes: the quality each sync mode reaches at equal samples, two workers, over seeds (raytrm.bench.modes).
+- modes: the quality each sync mode reaches at equal samples, two workers, over seeds (in raytrm.bench.modes).
 
 The worker processes are plain torch.distributed processes (raytrm.distributed.launch) running the same Trainer,
 sync object and balancer as Ray Train workers; the `ray` rows measure what Ray adds on top.
@@ -355,11 +355,8 @@ def run(
     repeats: int,
     workers: list[int],
     work_dir: Path,
-    every: list[int] | None = None,
-    samples: int | None = None,
 ) -> list[Row]:
-    """The parts asked for, in order; see the module docstring. modes: `repeats` training seeds, `every` the H of
-    its local rounds, `samples` per run."""
+    """The parts asked for, in order; see the module docstring."""
     from raytrm.bench.timing import median_seconds
     from raytrm.bench.trm import reference_experiment
 
@@ -382,10 +379,4 @@ def run(
             rows += bench_overlap(small_lm(work_dir, device, batch), max(2, max(workers)), 6, repeats)
     if "scaling" in parts:
         rows += bench_scaling(reference_experiment("mlp_t", 512, batch, None, device, data_dir, "auto"), workers, 10)
-    if "modes" in parts:
-        from raytrm.bench import modes
-        from raytrm.bench.transformer import caches_in
-
-        with caches_in(work_dir / "cache"):
-            rows += modes.bench_modes(work_dir / "modes", every or list(modes.EVERY), repeats, samples or modes.SAMPLES)
     return rows

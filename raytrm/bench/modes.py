@@ -73,6 +73,14 @@ def _worker(rank: int, world_size: int, device: Any, config: cfg.ExperimentConfi
     return summary if rank == 0 else None
 
 
+def run(work_dir: Path, every: list[int] | None, seeds: int, samples: int | None, device: str = "cpu") -> list[ModeRow]:
+    """The modes part of `raytrm bench distributed`, its data kept in the work directory."""
+    from raytrm.bench.transformer import caches_in
+
+    with caches_in(work_dir / "cache"):
+        return bench_modes(work_dir / "modes", list(every or EVERY), seeds, samples or SAMPLES, device)
+
+
 def bench_modes(work_dir: Path, every: list[int], seeds: int, samples: int, device: str = "cpu") -> list[ModeRow]:
     """Every variant at every seed (seed-major, so a partial run has whole seeds), then a row per variant."""
     from raytrm.data.cache import dataset_dir_for
