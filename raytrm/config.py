@@ -343,6 +343,11 @@ class Measured:
     objective: dict = spec({}, "the objective value(s) of the trial, by name")
     trial: int | None = spec(None, "Optuna trial number", ge=0)
     study: str | None = spec(None, "Optuna study name and storage")
+    sync: dict = spec(
+        {},
+        "on a cluster of several machines: the link the tuner measured between them (mbit_s, latency_ms), the step "
+        "(step_s), and the sync mode chosen from them (mode, every, overlap, predicted_share, fewest_every, reason)",
+    )
 
 
 @dataclass

@@ -44,7 +44,8 @@ class Link:
         return self.latency_s + nbytes / self.bytes_per_s
 
     def describe(self) -> str:
-        return f"{self.bytes_per_s * 8 / 1e6:.1f} Mbit/s and {self.latency_s * 1e3:.2f} ms a sum"
+        mbit = self.bytes_per_s * 8 / 1e6
+        return f"{mbit:.0f}" if mbit >= 100 else f"{mbit:.1f}" + f" Mbit/s and {self.latency_s * 1e3:.2f} ms a sum"
 
     def to_dict(self) -> dict[str, float]:
         return {"mbit_s": self.bytes_per_s * 8 / 1e6, "latency_ms": self.latency_s * 1e3}
