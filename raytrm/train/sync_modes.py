@@ -71,7 +71,8 @@ class SyncModes(Hook):
     # -- the loop ----------------------------------------------------------------------------------------------------
 
     def start(self, loop: Loop) -> None:
-        if self._restored:
+        if self._restored:  # a resume may land inside a round
+            loop.exchanging = self.rounds is None or self.rounds.steps == 0
             return
         step = self.trainer.step
         self._checked = step

@@ -166,7 +166,7 @@ def test_the_run_chooses_from_the_faked_link_and_step(tiny):
     # 0.5 s a step against a 20 Mbit/s link: exact would wait most of it, so the run takes local rounds.
     clock = FakeClock()
     link = Link(0.001, 20 * MBIT)
-    config = tiny(training={"sync_overlap": 0})
+    config = tiny(training={"sync_mode": "auto", "sync_overlap": 0})
     trainer = Trainer(config, sync=MirroredSync(link, clock))
     modes = SyncModes(trainer, clock=clock)
     choices = _run(trainer, [ScriptedStep(0.5), modes], steps=sync_modes.PROBE_STEPS + 4)
@@ -186,7 +186,7 @@ def test_a_drifting_share_measures_again_and_chooses_again(tiny, monkeypatch):
     monkeypatch.setattr(sync_modes, "CHECK_EVERY", 4)
     clock = FakeClock()
     sync = MirroredSync(Link(1e-5, 100_000 * MBIT), clock)
-    trainer = Trainer(tiny(training={"sync_overlap": 0}), sync=sync)
+    trainer = Trainer(tiny(training={"sync_mode": "auto", "sync_overlap": 0}), sync=sync)
     modes = SyncModes(trainer, clock=clock)
 
     class Slowdown(Hook):
