@@ -132,7 +132,7 @@ class ProcessGroupSync:
             raise ValueError(f"a residual of {residual.numel()} values for gradient buckets of {sum(sizes)}")
         parts = residual.split(sizes) if residual is not None else [None] * len(sizes)
         for bucket, part in zip(self._buckets, parts, strict=True):
-            bucket.residual = None if part is None else part.to(bucket.flat.device, torch.float32).clone()
+            bucket.residual = None if part is None else part.to(bucket.flat.device, bucket.flat.dtype).clone()
 
     # -- tensors -----------------------------------------------------------------------------------------------------
 
