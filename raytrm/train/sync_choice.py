@@ -111,7 +111,7 @@ class Choice:
     mode: str
     every: int | None
     overlap: int
-    share: float
+    share: float | None  # predicted; None where nothing was predicted (a mode set by the config)
     reason: str
 
     def event(self, step: int, **extra: Any) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -82,7 +81,7 @@ class SyncModes(Hook):
         if not self.choosing:
             train = self.train
             self._enter(train.sync_mode, train.sync_every, train.sync_overlap or 0)
-            self._record(Choice(self.mode, self.every, self.overlap, float("nan"), "set by training.sync_mode"))
+            self._record(Choice(self.mode, self.every, self.overlap, None, "set by training.sync_mode"))
             return
         self.link, probe_s = measure_link(self.sync, self.trainer.device, self.model_bytes, clock=self.clock)
         cheap = self.train.sync_mode == "auto" and self.link.seconds(self.model_bytes) <= CHEAP_PROBE_S
@@ -250,7 +249,7 @@ class SyncModes(Hook):
             return
         self.link = Link(**state["link"]) if state["link"] else None
         self.choice = Choice(**state["choice"]) if state["choice"] else None
-        if self.choice is not None and math.isfinite(self.choice.share):
+        if self.choice is not None and self.choice.share is not None:
             self._expected = self.choice.share
         self.choices = list(state["choices"])
         self._decide_at = state["decide_at"]
