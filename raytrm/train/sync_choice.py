@@ -27,9 +27,11 @@ TARGET_SHARE = 0.05
 SMALL_EXCHANGES = 3
 #: The longest round the choice proposes (DiLoCo's own).
 MAX_EVERY = 500
-#: Whether a round's exchange may travel behind the next inner steps when the choice is free to pick it: the
-#: modes bench (`raytrm bench distributed --parts modes`) found it within the quality goal of waiting.
+#: Whether a round's exchange may travel behind the next inner steps when the choice is free to pick it, and the
+#: shortest round, in steps behind, it may do so in: the modes bench (`raytrm bench distributed --parts modes`)
+#: measured one step behind in rounds of 5 and more.
 OVERLAP_KEEPS_QUALITY = True
+OVERLAP_ROUND = 5
 MODES = ("exact", "compressed", "local")
 
 
@@ -165,20 +167,24 @@ def choose(
         return Choice("exact", None, 0, exact, f"{said}; exact keeps it at most {target:.0%}")
     if "compressed" in modes and compressed <= target:
         return Choice("compressed", None, 0, compressed, f"{said}; compressed keeps it at most {target:.0%}")
-    if overlap is not None:
-        options = [overlap]
-    else:
+    if overlap is not None:  # given: kept (below the round length)
+        options, ratio = [overlap], 1
+    else:  # chosen: behind as many steps as the sum takes, in rounds at least OVERLAP_ROUND times as long
         behind = math.ceil(link.seconds(model_bytes) / max(step_s, 1e-9))
-        options = [0, behind] if overlap_ok and behind > 0 else [0]
+        options, ratio = ([0, behind] if overlap_ok and behind > 0 else [0]), OVERLAP_ROUND
     if every is not None:
-        taus = sorted({min(t, every - 1) for t in options})
-        tau = min(taus, key=lambda t: step_share(link, step_s, model_bytes, every, t))
+        taus = sorted({min(t, every // ratio, every - 1) for t in options})
+        tau = min(taus, key=lambda t: (step_share(link, step_s, model_bytes, every, t), t))
         share = step_share(link, step_s, model_bytes, every, tau)
         return Choice("local", every, tau, share, f"{said}; local rounds of H={every} (set) wait {share:.1%}")
-    tau = min(options, key=lambda t: (fewest_steps(link, step_s, model_bytes, t, target), t))
-    h = fewest_steps(link, step_s, model_bytes, tau, target)
+
+    def steps(tau: int) -> int:
+        return max(fewest_steps(link, step_s, model_bytes, tau, target), ratio * tau)
+
+    tau = min(options, key=lambda t: (steps(t), t))
+    h = steps(tau)
     if h > max_every:
-        h, tau = max_every, min(tau, max_every - 1)
+        h, tau = max_every, min(tau, max_every // ratio, max_every - 1)
         share = step_share(link, step_s, model_bytes, h, tau)
         return Choice("local", h, tau, share, f"{said}; even local rounds of H={h}, the longest, wait {share:.1%}")
     share = step_share(link, step_s, model_bytes, h, tau)
