@@ -188,13 +188,15 @@ class ModelEMA:
 
     @torch.no_grad()
     def fold(self, named: Iterable[tuple[str, torch.Tensor]], times: int = 1) -> None:
-        """Fold these (name, value) parameters in `times` times, as that many steps that ended on them would."""
-        named = [(name, p.detach()) for name, p in named if name in self.shadow]
+        """Fold these (name, value) parameters in `times` times, as that many steps that ended on them would: with
+        the same value each time, the decays multiply (one pass over the weights, the same as one update for one)."""
+        kept = 1.0
         for _ in range(times):
-            decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
+            kept *= min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
             self.updates += 1
-            for name, p in named:
-                self.shadow[name].mul_(decay).add_(p, alpha=1 - decay)
+        for name, p in named:
+            if name in self.shadow:
+                self.shadow[name].mul_(kept).add_(p.detach(), alpha=1 - kept)
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
