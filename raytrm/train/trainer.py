@@ -10,6 +10,7 @@ Life cycle (as torchtitan's):
   sync object's sums (gradients, metrics, carry slots that move) and the optimizer, and returns a `StepResult`;
   given `on_out_of_memory`, a step the allocator refuses is redone from the same state at the smaller cut it returns.
   `forward_backward` and `optimizer_step` are its two halves, for checks that look at the gradient in between.
+  With `steps_alone` (a local round's inner steps) the step exchanges nothing: this worker's own samples' mean.
   `set_micro_batch` and `set_shares` re-cut the following global batches; neither changes a step's samples or
   gradient.
 - `evaluate` scores the EMA weights on the held-out split.
