@@ -72,6 +72,13 @@ TRAIN_FLAGS = {
     "--eval-interval": ("training", "eval_interval", int, "steps between evaluations"),
     "--log-interval": ("training", "log_interval", int, "steps between metrics lines"),
     "--checkpoint-interval": ("training", "checkpoint_interval", int, "steps between checkpoints"),
+    "--sync-mode": (
+        "training",
+        "sync_mode",
+        str,
+        "several workers: auto (from the measured link), exact, compressed (bf16) or local (rounds)",
+    ),
+    "--sync-every": ("training", "sync_every", int, "local rounds: inner steps per round (default: from the link)"),
     "--model": ("model", "name", str, "model family: trm or transformer (default trm)"),
     "--task": ("model", "task", str, "transformer head: lm (next byte) or classify (documents)"),
     "--seq-len": ("model", "seq_len", int, "transformer: bytes per training sequence"),
@@ -318,18 +325,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(memory.format_rows(rows, overhead))
         results: object = memory.as_json(rows, overhead)
     elif args.what == "distributed":
-        from raytrm.bench import distributed
+        from raytrm.bench import distributed, modes
 
+        device = args.device if args.device != "auto" else "cpu"
+        parts = [part for part in args.parts if part != "modes"]
         with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
-            dist_rows = distributed.run(
-                args.parts,
-                args.device if args.device != "auto" else "cpu",
-                args.batch,
-                args.slowdown,
-                args.repeats,
-                args.workers,
-                Path(work),
+            dist_rows = (
+                distributed.run(parts, device, args.batch, args.slowdown, args.repeats, args.workers, Path(work))
+                if parts
+                else []
             )
+            if "modes" in args.parts:
+                dist_rows += modes.run(Path(work), args.every, args.repeats, args.samples, device)
         print(distributed.format_rows(dist_rows))
         results = distributed.as_json(dist_rows)
     elif args.what == "mix":
@@ -581,9 +588,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--parts",
         nargs="+",
         default=["pair", "ray", "sync"],
-        choices=("pair", "ray", "sync", "overlap", "scaling"),
+        choices=("pair", "ray", "sync", "overlap", "scaling", "modes"),
         help="distributed: which measurements (scaling wants --device cuda and --workers 1 2; overlap runs "
-        "max(--workers, 2) workers)",
+        "max(--workers, 2) workers; modes: each sync mode's quality at equal samples, --repeats training seeds)",
+    )
+    p.add_argument(
+        "--every", nargs="+", type=int, default=None, help="distributed modes: H of the local rounds (default 5 20 50)"
+    )
+    p.add_argument(
+        "--samples", type=int, default=None, help="distributed modes: samples each run trains (default 16000)"
     )
     p.add_argument("--slowdown", type=float, default=2.0, help="distributed: how much slower the slow worker is")
     p.add_argument(

@@ -25,6 +25,7 @@ PROFILE_SCHEMA_VERSION = 1
 THERMAL_STATES = ("nominal", "fair", "serious", "critical")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
+SYNC_MODES = ("auto", "exact", "compressed", "local")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -225,8 +226,30 @@ class TrainConfig:
     early_stop: bool = spec(
         False, "end the run when it is not learning, goes non-finite or reaches a plateau (evaluated and saved)"
     )
+    # -- sync across workers (raytrm.train.sync_modes): ignored by a run alone ---------------------------------
+    sync_mode: str = spec(
+        "auto",
+        "how workers combine their work: auto (chosen from the measured link and step, re-chosen when the sync "
+        "share drifts), exact (gradients summed every step), compressed (summed in bf16 with error feedback), "
+        "local (rounds of sync_every steps alone, then the parameter deltas averaged by an outer optimizer)",
+        choices=SYNC_MODES,
+    )
+    sync_every: int | None = spec(
+        None, "H: inner steps per round in local mode; None = the fewest that keep sync under 5% of a step", ge=1
+    )
+    sync_overlap: int | None = spec(
+        None,
+        "inner steps a local round's exchange may travel behind (the outer update lands that many steps late); "
+        "0 = wait for it at the round's end; None = chosen from the link in auto mode, else 0",
+        ge=0,
+    )
+    outer_lr: float = spec(1.0, "local mode: the outer optimizer's learning rate on the averaged deltas", gt=0)
+    outer_momentum: float = spec(
+        0.0, "local mode: the outer optimizer's Nesterov momentum (0 = plain averaging at outer_lr 1)", ge=0
+    )
 
     def validate(self, source: str, prefix: str = "training") -> None:
+        self._validate_sync(source, prefix)
         micro = self.micro_batch_size
         if micro is not None and micro * self.grad_accum_steps != self.global_batch_size:
             raise ConfigError(
@@ -247,6 +270,28 @@ class TrainConfig:
             )
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
             raise ConfigError(source, f"{prefix}.betas", self.betas, "two numbers in [0, 1)", "e.g. [0.9, 0.95]")
+
+    def _validate_sync(self, source: str, prefix: str) -> None:
+        rounds = self.sync_mode in ("auto", "local")
+        for name in ("sync_every", "sync_overlap"):
+            if getattr(self, name) is not None and not rounds:
+                raise ConfigError(
+                    source,
+                    f"{prefix}.{name}",
+                    getattr(self, name),
+                    f"unset with sync_mode {self.sync_mode} (it sizes local rounds)",
+                    "drop it, or set sync_mode: local (or auto)",
+                )
+        if self.outer_momentum >= 1:
+            raise ConfigError(source, f"{prefix}.outer_momentum", self.outer_momentum, "a number in [0, 1)", "e.g. 0.9")
+        if self.sync_every is not None and self.sync_overlap is not None and self.sync_overlap >= self.sync_every:
+            raise ConfigError(
+                source,
+                f"{prefix}.sync_overlap",
+                self.sync_overlap,
+                f"fewer than sync_every ({self.sync_every}) steps: a round's update must land before the next closes",
+                "lower sync_overlap or raise sync_every",
+            )
 
     @property
     def micro_batch(self) -> int:
@@ -309,6 +354,11 @@ class Measured:
     objective: dict = spec({}, "the objective value(s) of the trial, by name")
     trial: int | None = spec(None, "Optuna trial number", ge=0)
     study: str | None = spec(None, "Optuna study name and storage")
+    sync: dict = spec(
+        {},
+        "on a cluster of several machines: the link the tuner measured between them (mbit_s, latency_ms), the step "
+        "(step_s), and the sync mode chosen from them (mode, every, overlap, predicted_share, fewest_every, reason)",
+    )
 
 
 @dataclass

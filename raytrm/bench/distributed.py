@@ -11,6 +11,7 @@
   against summed after it, alternated: step time, the sync time left after the backward, and the fraction of the
   gradient bytes that started during it.
 - scaling (`--device cuda --workers 1 2`): samples/s at the reference TRM config on one GPU and on two (NCCL).
+- modes: the quality each sync mode reaches at equal samples, two workers, over seeds (in raytrm.bench.modes).
 
 The worker processes are plain torch.distributed processes (raytrm.distributed.launch) running the same Trainer,
 sync object and balancer as Ray Train workers; the `ray` rows measure what Ray adds on top.

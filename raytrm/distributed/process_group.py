@@ -1,9 +1,15 @@
 """Gradient sync over a torch.distributed process group: the sync object (raytrm.train.sync's contract) that every
 data-parallel worker hands its Trainer, set up by Ray Train or, without Ray, by `raytrm.distributed.launch`.
+
+Compressed (`set_compression(True)`), each bucket travels in bf16 with error feedback: what the rounding leaves out
+of a worker's gradient stays in that worker's residual and is added to its next gradient, so over the steps every
+worker sends the sum of its gradients, less only the residual it holds at the end.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -11,6 +17,8 @@ from typing import Any
 import torch
 
 from raytrm.hardware import device as devices
+
+logger = logging.getLogger(__name__)
 
 
 class ProcessGroupSync:
@@ -39,6 +47,10 @@ class ProcessGroupSync:
         self.overlap = overlap
         # Gradients are copied off the device (MPS) for gloo: those copies must land before the collective reads them.
         self._staged = self.comm_device != device
+        #: Compressed: the dtype gradients travel in (None: exact, in their own dtype).
+        self.wire_dtype: torch.dtype | None = None
+        self._residual: torch.Tensor | None = None  # a resumed residual, until the buckets are planned
+        self._sums: dict[tuple[int, ...], list[Flat]] = {}
 
     # -- gradients ---------------------------------------------------------------------------------------------------
 
@@ -57,14 +69,17 @@ class ProcessGroupSync:
             if current:
                 groups.append(current)
             self._buckets = [Bucket(group, self.comm_device) for group in groups]
+            if self._residual is not None:
+                self.load_compression_state(self._residual)
         return self._buckets
 
     def launch(self, bucket: Bucket) -> Any:
-        """Copy a bucket's gradients into its flat buffer and start summing it over the workers."""
+        """Copy a bucket's gradients into its flat buffer and start summing it over the workers (compressed: its
+        rounding to the wire dtype, with what earlier rounds left unsent)."""
         bucket.fill()
         if self._staged:
             devices.synchronize(self.device)
-        return self.dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        return self.dist.all_reduce(bucket.prepare(self.wire_dtype), group=self.group, async_op=True)
 
     def all_reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> float:
         """Sum every parameter's gradient over the workers, in place; returns the seconds it took.
@@ -77,8 +92,59 @@ class ProcessGroupSync:
         for work, bucket in zip(pending, buckets, strict=True):
             work.wait()
             bucket.unfill()
+            bucket.commit()
         devices.synchronize(self.device)
         return time.perf_counter() - start
+
+    # -- compression -------------------------------------------------------------------------------------------------
+
+    def set_compression(self, on: bool) -> None:
+        """Sum gradients in bf16 with error feedback (every rank switches at the same step), or exactly again: the
+        first exact sum then carries what the residuals held."""
+        self.wire_dtype = self._wire_dtype() if on else None
+
+    def _wire_dtype(self) -> torch.dtype:
+        """bf16 where the backend sums it (gloo does in torch 2.x), else fp16: one probe, the same on every rank."""
+        probe = torch.ones(1, dtype=torch.bfloat16, device=self.comm_device)
+        try:
+            self.dist.all_reduce(probe, group=self.group)
+        except (RuntimeError, ValueError, TypeError) as error:
+            logger.warning("the collective backend does not sum bf16 (%s): compressed gradients travel in fp16", error)
+            return torch.float16
+        return torch.bfloat16
+
+    def compression_state(self) -> torch.Tensor | None:
+        """This worker's residual, the buckets' in plan order (None before any compressed sum)."""
+        if self._buckets is None:
+            return self._residual
+        if all(b.residual is None for b in self._buckets):
+            return None
+        return torch.cat([b.residual if b.residual is not None else torch.zeros_like(b.flat) for b in self._buckets])
+
+    def load_compression_state(self, residual: torch.Tensor | None) -> None:
+        """Continue with a saved residual (applied once the buckets are planned, at the first sum)."""
+        if self._buckets is None:
+            self._residual = residual
+            return
+        self._residual = None
+        sizes = [b.flat.numel() for b in self._buckets]
+        if residual is not None and residual.numel() != sum(sizes):
+            raise ValueError(f"a residual of {residual.numel()} values for gradient buckets of {sum(sizes)}")
+        parts = residual.split(sizes) if residual is not None else [None] * len(sizes)
+        for bucket, part in zip(self._buckets, parts, strict=True):
+            bucket.residual = None if part is None else part.to(bucket.flat.device, bucket.flat.dtype).clone()
+
+    # -- tensors -----------------------------------------------------------------------------------------------------
+
+    def sum_tensors(self, tensors: Sequence[torch.Tensor]) -> TensorSum:
+        """Start summing the tensors over the workers, in place (in flat buckets, staged off MPS); wait() on the result
+        before reading them. The buckets are kept for the same tensors (a round's deltas: every round)."""
+        key = tuple(id(t) for t in tensors)
+        if key not in self._sums:
+            if len(self._sums) >= 4:
+                self._sums.clear()
+            self._sums[key] = [Flat(group, self.comm_device) for group in _groups(list(tensors), self.bucket_bytes)]
+        return TensorSum(self, self._sums[key])
 
     def overlapped(self, params: Sequence[torch.nn.Parameter]) -> OverlappedBuckets | None:
         """An all-reduce whose buckets start while a backward pass is still computing the rest (see the class);
@@ -144,13 +210,98 @@ class ProcessGroupSync:
         return box[0]
 
 
+def _groups(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Consecutive tensors of one dtype, about `limit` bytes a group."""
+    groups: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        if not groups or t.dtype != groups[-1][0].dtype or size + t.numel() * t.element_size() > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.numel() * t.element_size()
+    return groups
+
+
+class Flat:
+    """Tensors summed together in one flat buffer on the collective's device."""
+
+    def __init__(self, tensors: list[torch.Tensor], device: torch.device) -> None:
+        self.tensors = tensors
+        self.flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=device)
+        bounds = list(itertools.accumulate((t.numel() for t in tensors), initial=0))
+        self.views = [self.flat[a:b] for a, b in itertools.pairwise(bounds)]
+
+    def fill(self) -> None:
+        for t, view in zip(self.tensors, self.views, strict=True):
+            view.copy_(t.reshape(-1), non_blocking=True)
+
+    def unfill(self) -> None:
+        for t, view in zip(self.tensors, self.views, strict=True):
+            t.copy_(view.view_as(t), non_blocking=True)
+
+
+class TensorSum:
+    """The sum of ProcessGroupSync.sum_tensors, in flight (raytrm.train.sync.PendingSum)."""
+
+    def __init__(self, sync: ProcessGroupSync, flats: list[Flat]) -> None:
+        self.sync, self.flats = sync, flats
+        for flat in flats:
+            flat.fill()
+        if sync._staged:
+            devices.synchronize(sync.device)
+        self.works = [sync.dist.all_reduce(f.flat, group=sync.group, async_op=True) for f in flats]
+
+    def wait(self) -> float:
+        """Wait for the sum and write it into the tensors; returns the seconds waited."""
+        begin = time.perf_counter()
+        for work, flat in zip(self.works, self.flats, strict=True):
+            work.wait()
+            flat.unfill()
+        devices.synchronize(self.sync.device)
+        self.works = []
+        return time.perf_counter() - begin
+
+
 class Bucket:
-    """Parameters whose gradients travel together, and the flat buffer (on the collective's device) they travel in."""
+    """Parameters whose gradients travel together, and the flat buffer (on the collective's device) they travel in.
+
+    Compressed, a bucket also holds the buffer that travels (`wire`, bf16) and its error feedback (`residual`,
+    fp32: what earlier rounds' rounding left unsent); the sum of a round reaches the residual only at `commit`, so a
+    round abandoned part-way (raytrm.train.sync.OverlappedAllReduce.abandon) leaves it as it was.
+    """
 
     def __init__(self, params: list[torch.nn.Parameter], device: torch.device) -> None:
         self.params = params
         self.flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
         self.nbytes = self.flat.numel() * self.flat.element_size()
+        self.residual: torch.Tensor | None = None
+        self.wire: torch.Tensor | None = None
+        self._sent = self.flat  # the buffer the latest round summed
+
+    def prepare(self, wire_dtype: torch.dtype | None) -> torch.Tensor:
+        """After `fill`: add what earlier rounds left unsent; compressed, round it into `wire` and keep the rounding
+        in `flat` (the next residual, once committed). Returns the buffer to sum."""
+        if self.residual is not None:
+            self.flat.add_(self.residual)
+        if wire_dtype is None:
+            self._sent = self.flat
+            return self.flat
+        if self.wire is None or self.wire.dtype != wire_dtype:
+            self.wire = torch.empty(self.flat.shape, dtype=wire_dtype, device=self.flat.device)
+        self.wire.copy_(self.flat)
+        self.flat.sub_(self.wire)  # exact: a float less its own rounding to fewer bits
+        self._sent = self.wire
+        return self.wire
+
+    def commit(self) -> None:
+        """The round's sum was kept: compressed, its rounding becomes the residual; exact, nothing is left unsent."""
+        if self._sent is self.flat:
+            self.residual = None
+            return
+        if self.residual is None:
+            self.residual = torch.empty_like(self.flat)
+        self.residual, self.flat = self.flat, self.residual
 
     def _views(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         out, offset = [], 0
@@ -168,12 +319,15 @@ class Bucket:
                 view.copy_(p.grad.reshape(-1), non_blocking=True)
 
     def unfill(self) -> None:
-        """The buffer (summed) back into the parameters' gradients."""
-        for p, view in self._views():
+        """The summed buffer back into the parameters' gradients."""
+        offset = 0
+        for p in self.params:
+            view = self._sent[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
             if p.grad is None:
-                p.grad = view.view_as(p).to(p.device, copy=True)
+                p.grad = view.to(p.device, p.dtype, copy=True)
             else:
-                p.grad.copy_(view.view_as(p), non_blocking=True)
+                p.grad.copy_(view, non_blocking=True)
 
 
 class OverlappedBuckets:
@@ -251,6 +405,7 @@ class OverlappedBuckets:
         """The summed gradients into the parameters (every rank's step succeeded)."""
         for bucket in self.buckets:
             bucket.unfill()
+            bucket.commit()
         devices.synchronize(self.sync.device)
 
     def close(self) -> None:

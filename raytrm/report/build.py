@@ -17,6 +17,7 @@ from raytrm.errors import UserError
 from raytrm.report.diagnosis import NOT_RECORDED, Finding, diagnose
 from raytrm.report.plots import write_run_plots
 from raytrm.report.runs import RunRecord, load_run
+from raytrm.report.sync import sync_lines
 from raytrm.train.run import CONFIG_FILE, METRICS_FILE
 
 REPORT_DIR, DIAGNOSIS_FILE, TUNING_FILE = "report", "diagnosis.txt", "tuning.txt"
@@ -100,6 +101,7 @@ def format_diagnosis(
         parts.append(f"{len(rows[-1][1])} workers")
     lines = [f"run {record.run_dir}: {', '.join(parts)}"]
     lines += [f"note: {note}" for note in record.notes]
+    lines += sync_lines(record)
     if findings:
         lines.append("what limited it:")
         lines += [finding.format() for finding in findings]

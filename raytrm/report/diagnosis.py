@@ -231,8 +231,8 @@ def worker_findings(record: RunRecord) -> list[Finding]:
             Finding(
                 "gradient sync",
                 f"the all-reduce took {sync:.0%} of each step on median{overlapped}",
-                "sum once per more samples: a larger --global-batch (more accumulation per sync; retune --lr), or "
-                "a faster link between the machines (Thunderbolt bridge, 10 GbE)",
+                "exchange less often: local rounds (--sync-mode local, or auto to choose from the link) sum once per "
+                "--sync-every steps; or a larger --global-batch (retune --lr), or a faster link (Thunderbolt, 10 GbE)",
             )
         )
     if idle is not None and idle >= STRAGGLER_IDLE:

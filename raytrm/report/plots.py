@@ -26,7 +26,13 @@ LOSS_BASELINES = ("eval_unigram_bits_per_byte",)
 SCORE_KEYS = ("accuracy", "exact_accuracy", "eval_cell_acc", "eval_exact_acc", "eval_accuracy", "eval_macro_f1")
 SCORE_BASELINES = ("eval_copy_givens_acc", "eval_majority_acc")
 
-EVENT_COLORS = {"memory": "tab:blue", "thermal": "tab:red", "rebalance": "tab:green", "health": "tab:orange"}
+EVENT_COLORS = {
+    "memory": "tab:blue",
+    "thermal": "tab:red",
+    "rebalance": "tab:green",
+    "health": "tab:orange",
+    "sync": "tab:purple",
+}
 #: More labels than this overlap into a smear: past it the dotted lines stay, their labels go.
 MAX_EVENT_LABELS = 12
 TIME_LABEL = "seconds in training steps"
@@ -34,13 +40,15 @@ DPI = 100
 
 
 def event_kind(event: dict[str, Any]) -> str:
-    """memory (the governor's choose, shrink, grow, out-of-memory), thermal (thermal-*), health (health-*) or
-    rebalance."""
+    """memory (the governor's choose, shrink, grow, out-of-memory), thermal (thermal-*), health (health-*),
+    rebalance or sync (a sync mode chosen)."""
     name = str(event.get("event"))
     if name.startswith("thermal-"):
         return "thermal"
     if name.startswith("health-"):
         return "health"
+    if name == "sync-choice":
+        return "sync"
     return "rebalance" if name == "rebalance" else "memory"
 
 

@@ -2,10 +2,11 @@
 
 metrics.jsonl holds two kinds of lines, as the training loop writes them: step lines (`step`, `samples_per_sec`,
 loss and the task's metrics, `lr`, `rss_mb`, `peak_rss_mb`, `cpu_percent`, a thermal reading, evaluation scores
-every eval_interval steps, and with several workers a `workers` list of per-rank rows) and event lines (`step`,
-`event`: the memory governor's choose / shrink / grow / out-of-memory, the thermal guard's thermal-*, rebalance; a
-worker's own events carry its `rank`). No line holds a clock time, so the time axis is rebuilt from what each line
-says: the samples of its window over the window's samples/s, i.e. seconds spent in training steps.
+every eval_interval steps, and with several workers `sync_s`, `sync_share` and a `workers` list of per-rank rows)
+and event lines (`step`, `event`: the memory governor's choose / shrink / grow / out-of-memory, the thermal guard's
+thermal-*, rebalance, sync-choice; a worker's own events carry its `rank`). No line holds a clock time, so the
+time axis is rebuilt from what each line says: the samples of its window over the window's samples/s, i.e. seconds
+spent in training steps.
 """
 
 from __future__ import annotations

@@ -101,6 +101,9 @@ class Loop:
         #: The cut is still being probed (the memory governor's first steps): not yet the run's steady cut.
         self.probing = False
         self.on_out_of_memory: Callable[[int], int] | None = None  # told of a refused allocation; returns a cut
+        #: The workers may exchange after this step: always, but inside a round of the local sync mode, where no
+        #: worker touches a peer until the round ends (raytrm.train.sync_modes sets it); hooks that exchange wait.
+        self.exchanging = True
         self._start = 0.0
         self._off = 0.0
 
@@ -121,6 +124,13 @@ class Loop:
         """End the run before the next step (the first reason given is kept)."""
         if self.stop_reason is None:
             self.stop_reason, self.halted = reason, True
+
+    def charge(self, step: Step, seconds: float) -> None:
+        """Count seconds a hook spent finishing the step (a round's exchange) as the step's, waiting on sync."""
+        if seconds:
+            step.result.seconds += seconds
+            step.result.sync_seconds += seconds
+            self.train_seconds += seconds
 
     def agreed(self, mine: bool) -> bool:
         """Whether any worker wants this; a collective with several workers, so every rank asks at the same point."""

@@ -184,11 +184,19 @@ class ModelEMA:
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         """Fold the model's current parameters in; call after each optimizer step."""
-        decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
-        self.updates += 1
-        for name, p in model.named_parameters():
+        self.fold(model.named_parameters())
+
+    @torch.no_grad()
+    def fold(self, named: Iterable[tuple[str, torch.Tensor]], times: int = 1) -> None:
+        """Fold these (name, value) parameters in `times` times, as that many steps that ended on them would: with
+        the same value each time, the decays multiply (one pass over the weights, the same as one update for one)."""
+        kept = 1.0
+        for _ in range(times):
+            kept *= min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
+            self.updates += 1
+        for name, p in named:
             if name in self.shadow:
-                self.shadow[name].mul_(decay).add_(p.detach(), alpha=1 - decay)
+                self.shadow[name].mul_(kept).add_(p.detach(), alpha=1 - kept)
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:

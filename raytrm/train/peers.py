@@ -21,7 +21,8 @@ class Peers(Hook):
     """The run loop's view of the other workers: rebalancing and the per-worker rows of metrics.jsonl.
 
     In the loop it exchanges after every step, once the memory and heat hooks have decided this worker's cut: the
-    step's events become every worker's (what the metrics log writes) and its rows every worker's.
+    step's events become every worker's (what the metrics log writes) and its rows every worker's. Inside a round of
+    the local sync mode it exchanges at the round's end, with the round's mean times and all its events.
     """
 
     def __init__(self, trainer: Trainer, balance: bool = True) -> None:
@@ -36,28 +37,43 @@ class Peers(Hook):
         )
         self.rows: list[dict[str, Any]] = []
         self._warned = False  # caps that cannot hold the global batch are said once
+        self._held: list[StepResult] = []  # the steps of a local round so far, and their events
+        self._held_events: list[dict[str, Any]] = []
 
     def end_step(self, loop: Loop, step: Step) -> None:
-        step.events = self.exchange(step.result, step.share_cap, step.events)
+        if not loop.exchanging:  # inside a local round: held until its end, when the workers exchange again
+            self._held.append(step.result)
+            self._held_events += step.events
+            step.events, step.workers = [], self.rows
+            return
+        held, events = self._held, [*self._held_events, *step.events]
+        self._held, self._held_events = [], []
+        step.events = self.exchange(step.result, step.share_cap, events, held)
         step.workers = self.rows
 
     def exchange(
-        self, result: StepResult, cap: int | None = None, events: Sequence[dict[str, Any]] = ()
+        self,
+        result: StepResult,
+        cap: int | None = None,
+        events: Sequence[dict[str, Any]] = (),
+        held: Sequence[StepResult] = (),
     ) -> list[dict[str, Any]]:
         """Gather every worker's times and memory cap, rebalance the shares if that pays or a worker holds more than
         its cap; returns the events to log: every worker's own (its memory governor's and thermal guard's `events`,
         each tagged with its rank), then the rebalance. cap: the most samples this worker's memory model lets it
-        hold."""
+        hold; held: the earlier steps of a local round, whose times are averaged with this one's."""
         if self.alone:
             return list(events)
         trainer = self.trainer
         shares = list(trainer.shares)
+        steps = [*held, result]
         mine = [
-            result.compute_seconds,
-            result.sync_seconds,
+            sum(r.compute_seconds for r in steps) / len(steps),
+            sum(r.sync_seconds for r in steps) / len(steps),
             trainer.last_overlap,
             trainer.micro_batch,
             -1 if cap is None else cap,
+            sum(r.seconds for r in steps) / len(steps),
             len(events),
         ]
         gathered = self.sync.gather_floats(mine)
@@ -72,12 +88,15 @@ class Peers(Hook):
                 "share": share,
                 "samples_per_sec": share / max(compute, 1e-9),
                 "compute_s": compute,
-                "sync_s": sync_s,  # what the all-reduce added after this worker's backward
+                "sync_s": sync_s,  # what the sync added to this worker's step (a round's exchange: per step)
+                "sync_share": sync_s / step_s if step_s > 0 else 0.0,  # of this worker's step wall time
                 "sync_overlap": overlap,  # the fraction of the gradient summed while the backward still ran
                 "micro_batch": int(micro),
                 "share_cap": int(limit) if limit >= 1 else None,
             }
-            for rank, (share, (compute, sync_s, overlap, micro, limit)) in enumerate(zip(shares, gathered, strict=True))
+            for rank, (share, (compute, sync_s, overlap, micro, limit, step_s)) in enumerate(
+                zip(shares, gathered, strict=True)
+            )
         ]
         if self.balancer is None:
             return logged

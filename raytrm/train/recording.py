@@ -34,6 +34,7 @@ class MetricsRows(Hook):
     ) -> None:
         self.trainer, self.log, self.bar, self.scores = trainer, log, bar, scores
         self.window_seconds, self.window_samples = 0.0, 0
+        self.window_sync, self.window_steps = 0.0, 0  # this worker's seconds waiting on sync, and the steps
         self.last_accuracy: float | None = None  # of the latest step in which some sequence halted
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -46,6 +47,8 @@ class MetricsRows(Hook):
             self._write(event)
         self.window_seconds += result.seconds
         self.window_samples += result.samples
+        self.window_sync += result.sync_seconds
+        self.window_steps += 1
         if result.metrics.get("accuracy") is not None:
             self.last_accuracy = result.metrics["accuracy"]
         if not step.logged:
@@ -63,9 +66,13 @@ class MetricsRows(Hook):
             **trainer.resources.sample(),
             **step.heat,
         }
+        if trainer.sync.world_size > 1:  # this worker's wait on its peers since the last row, per step and share
+            record["sync_s"] = self.window_sync / max(self.window_steps, 1)
+            record["sync_share"] = self.window_sync / max(self.window_seconds, 1e-9)
         if step.workers:
             record["workers"] = step.workers
         self.window_seconds, self.window_samples = 0.0, 0
+        self.window_sync, self.window_steps = 0.0, 0
         record.update(self.scores(trainer.step))
         self._write(record)
         shown = {"samples/s": record["samples_per_sec"]}

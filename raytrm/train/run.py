@@ -30,6 +30,7 @@ from raytrm.train.peers import Peers
 from raytrm.train.recording import Checkpoints, MetricsRows, StepTimes, tokens_per_sec
 from raytrm.train.schedule import Interrupts, IntervalEvaluation, StepLimit, TimeBudget
 from raytrm.train.sync import GradientSync
+from raytrm.train.sync_modes import SyncModes
 from raytrm.train.thermal_guard import ThermalGuard, ThermalHook
 from raytrm.train.trainer import Trainer
 
@@ -86,6 +87,9 @@ def run_training(
     parts: dict[str, Any] = {"shares_balancer": peers}
     if memory is not None:
         parts["memory_governor"] = memory
+    modes = SyncModes(trainer) if sync is not None else None  # a worker of a group (of one after a loss, too)
+    if modes is not None:
+        parts["sync"] = modes
     checkpoints = Checkpoints(trainer, run_dir / CHECKPOINT_DIR, train.checkpoint_interval, parts, on_checkpoint)
     resumed_from = None
     if resume:
@@ -117,6 +121,7 @@ def run_training(
             StepLimit(train.steps) if train.steps else None,
             TimeBudget(train.time_budget_s) if train.time_budget_s else None,
             interrupts,
+            modes,  # ends a local round (the rest of the step) before the others look at the step
             memory,  # decides the cut from the step's peak, then the heat scales it: in this order
             thermal,
             times,  # reads whether the memory governor still probes
@@ -131,6 +136,8 @@ def run_training(
             loop.run()
         summary = _summary(trainer, loop, memory, thermal, peers, evaluations.final, checkpoints.last)
         summary.update(times.summary())
+        if modes is not None:
+            summary.update(modes.summary())
     finally:
         bar.close()
         if log is not None:

@@ -49,6 +49,8 @@ class TimeBudget(Hook):
         self.seconds = seconds
 
     def stop(self, loop: Loop) -> str | None:
+        if not loop.exchanging:  # inside a local round: the workers agree at its end
+            return None
         return "time budget" if loop.agreed(loop.t >= self.seconds) else None
 
 

@@ -6,6 +6,10 @@ one-process case (every call returns its input); implementations over a process 
 
 Every worker divides its loss by the whole global batch's count (the task's rule), so worker i's gradient is already
 (b_i / B) g_i and the exact global gradient is a plain sum: no weights to get wrong, whatever the shares.
+
+The sync modes (raytrm.train.sync_modes) ask two more things of it: the gradient sum compressed to bf16 with error
+feedback (`set_compression`, each worker's residual in `compression_state`), and the sum of any tensors, started
+now and awaited later (`sum_tensors`), which carries a local round's parameter deltas and times the link.
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ class OverlappedAllReduce(Protocol):
     def close(self) -> None: ...
 
 
+class PendingSum(Protocol):
+    """A sum of tensors over the workers, in flight: `wait` returns the seconds it waited, the tensors hold the sum."""
+
+    def wait(self) -> float: ...
+
+
 class GradientSync(Protocol):
     """What the Trainer needs from its peers; every method is a collective that every rank calls in the same order."""
 
@@ -50,6 +60,17 @@ class GradientSync(Protocol):
     def gather_slots(self, local: torch.Tensor, part: slice, total: int) -> torch.Tensor: ...
     def any(self, flag: bool) -> bool: ...
     def broadcast_object(self, obj: Any) -> Any: ...
+    def sum_tensors(self, tensors: Sequence[torch.Tensor]) -> PendingSum: ...
+    def set_compression(self, on: bool) -> None: ...
+    def compression_state(self) -> torch.Tensor | None: ...
+    def load_compression_state(self, residual: torch.Tensor | None) -> None: ...
+
+
+class Done:
+    """A sum that needed no exchange."""
+
+    def wait(self) -> float:
+        return 0.0
 
 
 class LocalSync:
@@ -83,3 +104,15 @@ class LocalSync:
 
     def broadcast_object(self, obj: Any) -> Any:
         return obj
+
+    def sum_tensors(self, tensors: Sequence[torch.Tensor]) -> Done:
+        return Done()
+
+    def set_compression(self, on: bool) -> None:
+        pass
+
+    def compression_state(self) -> None:
+        return None
+
+    def load_compression_state(self, residual: torch.Tensor | None) -> None:
+        pass

@@ -10,6 +10,7 @@ Life cycle (as torchtitan's):
   sync object's sums (gradients, metrics, carry slots that move) and the optimizer, and returns a `StepResult`;
   given `on_out_of_memory`, a step the allocator refuses is redone from the same state at the smaller cut it returns.
   `forward_backward` and `optimizer_step` are its two halves, for checks that look at the gradient in between.
+  With `steps_alone` (a local round's inner steps) the step exchanges nothing: this worker's own samples' mean.
   `set_micro_batch` and `set_shares` re-cut the following global batches; neither changes a step's samples or
   gradient.
 - `evaluate` scores the EMA weights on the held-out split.
@@ -138,6 +139,10 @@ class Trainer:
         #: Fraction of the gradient bytes whose sum started during the last backward, in the latest step.
         self.last_overlap = 0.0
         self._reducer: OverlappedAllReduce | None = None
+        #: This worker steps alone on its own samples (the inner steps of a local round, raytrm.train.rounds): no
+        #: gradient or metric is exchanged, the gradient is the mean over its own samples, the loss and metrics are
+        #: its own, and the EMA waits for the round's synchronized parameters.
+        self.steps_alone = False
         self.step = 0
         self.samples_seen = 0
         self.samples_seen_this_run = 0
@@ -257,8 +262,11 @@ class Trainer:
         return self._read(*self._forward_backward(batch, on_out_of_memory))
 
     def _read(self, loss: Scalar, totals: dict[str, Scalar]) -> tuple[float, dict[str, float | None]]:
-        """The loss and the metrics' rates on the host, from sums that may still be on the device."""
+        """The loss and the metrics' rates on the host, from sums that may still be on the device (stepping alone:
+        over this worker's own samples)."""
         loss_sum, sums = self._read_sums(loss, totals)
+        if self.steps_alone and self.sync.world_size > 1:
+            return loss_sum * self.global_batch / self.local_batch, self.task.rates(sums, self.local_batch)
         return loss_sum, self.task.rates(sums, self.global_batch)
 
     def _read_sums(self, loss: Scalar, totals: dict[str, Scalar]) -> tuple[float, dict[str, float]]:
@@ -306,6 +314,13 @@ class Trainer:
             devices.synchronize_compute(self.device)  # the balancer compares workers' compute times: count queued work
             self.last_compute_s = time.perf_counter() - start
             params = list(self.model.parameters())
+            if self.steps_alone:
+                # The task divided by the global batch's count: this worker's gradient is (b_i / B) of its own mean.
+                self.last_sync_s = 0.0
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(self.global_batch / self.local_batch)
+                return loss, totals
             keys = sorted(totals)
             local, local_totals = self._read_sums(loss, totals)
             values = [local, *(local_totals[k] for k in keys)]
@@ -351,7 +366,7 @@ class Trainer:
 
     def _overlapped_reducer(self) -> OverlappedAllReduce | None:
         """The all-reduce overlapped with the last backward, where gradients finish early (the transformer)."""
-        if self.sync.world_size == 1 or not self.task.overlaps_sync:
+        if self.sync.world_size == 1 or self.steps_alone or not self.task.overlaps_sync:
             return None
         if self._reducer is None:
             self._reducer = self.sync.overlapped(list(self.model.parameters()))
@@ -420,7 +435,7 @@ class Trainer:
             # The embedding follows the same warm-up and schedule, scaled to its own learning rate.
             self.sparse_optimizer.lr = lr * train.puzzle_emb_lr / train.lr
             self.sparse_optimizer.step()
-        if self.ema is not None:
+        if self.ema is not None and not self.steps_alone:
             self.ema.update(self.model)
         self.step += 1
         self.samples_seen += self.global_batch

@@ -4,7 +4,8 @@ what every trial of a search is handed (its setup and its Ray resources).
 The run directory holds tune.yaml (the space as validated, the tiers and the study names), study.db (the Optuna
 RDB storage: `optuna trials --study-name NAME --storage sqlite:///RUN_DIR/study.db` reads it), trials/ (each
 trial's result as JSON), rates/ (staged: configs timed on other tiers), ray/ (Ray Tune's own logs), verify/ (the
-re-run of each tier's best settings), profiles/ (one profile per tier) and plots/.
+re-run of each tier's best settings), profiles/ (one profile per tier), plots/ and, on a cluster of several machines,
+sync.json (the link between them and the sync mode chosen from it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 TUNE_FILE, STUDY_DB, TRIALS_DIR, RATES_DIR = "tune.yaml", "study.db", "trials", "rates"
 VERIFY_DIR, PROFILES_DIR, PLOTS_DIR = "verify", "profiles", "plots"
+SYNC_FILE = "sync.json"  # the link between the cluster's machines and the sync mode chosen from it
 
 
 # -- the study storage and the studies in it ------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 from raytrm import config as cfg
 from raytrm.errors import UserError
 from raytrm.tune import objectives
-from raytrm.tune.layout import PROFILES_DIR, read_state, run_space
+from raytrm.tune.layout import PROFILES_DIR, SYNC_FILE, read_state, run_space
 from raytrm.tune.space import SearchSpace, horizon_of
 from raytrm.tune.studies import ranked, staged_candidates
 from raytrm.tune.verify import verification
@@ -119,6 +119,7 @@ def _profile(
     """A profile from the settings that were measured, the run's figures for them (limits, samples/s, peak, heat,
     hardware: a trial's or a rate run's) and the objective's record."""
     hardware = {k: v for k, v in (figures.get("hardware") or {}).items() if k in cfg.HardwareSummary.__annotations__}
+    sync = _with_sync(experiment["training"], run_dir)
     data = {
         "tier": tier,
         "hardware": hardware,
@@ -134,9 +135,29 @@ def _profile(
             "objective": objective,
             "trial": trial,
             "study": study,
+            "sync": sync,
         },
     }
     return cfg.from_dict(cfg.Profile, data, f"{run_dir} (tier {tier})")
+
+
+def _with_sync(training: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """The sync mode the tuner chose from the link between the cluster's machines, into the profile's training
+    settings where the experiment left it to `auto` (a round length searched as a learning knob is kept); returns
+    the record for measured.sync ({} on one machine)."""
+    path = run_dir / SYNC_FILE
+    if not path.is_file():
+        return {}
+    record = json.loads(path.read_text())
+    if training.get("sync_mode", "auto") == "auto":
+        training["sync_mode"] = record["mode"]
+        if record["mode"] == "local":
+            training["sync_every"] = training.get("sync_every") or record["every"]
+            if training.get("sync_overlap") is None:
+                training["sync_overlap"] = min(record["overlap"], training["sync_every"] - 1)
+        else:
+            training["sync_every"] = training["sync_overlap"] = None
+    return record
 
 
 def export_run(run_dir: str | Path, tier: str | None = None, out: str | None = None) -> dict[str, Path]:

@@ -31,6 +31,7 @@ from raytrm.distributed.cluster import alive_tiers, cluster_tiers, connect
 from raytrm.errors import UserError
 from raytrm.tune import objectives, staged
 from raytrm.tune.layout import (
+    SYNC_FILE,
     TRIALS_DIR,
     TUNE_FILE,
     learning_study,
@@ -172,6 +173,7 @@ def _run_staged(
     if not fastest:
         return lost
     rates = {t: best["samples_per_sec"] for t, best in fastest.items()}
+    _measure_sync(space, run_dir, machines, rates, stream)
     extras = {t: {"speed": best["params"], "stretch": staged.stretch(rates, t)} for t, best in fastest.items()}
     print(
         "learning search on "
@@ -183,6 +185,27 @@ def _run_staged(
     lost |= _run_studies(learning, run_dir, {t: machines[t] for t in fastest}, stream, stage="learning", extras=extras)
     measure_rates(run_dir, [t for t in fastest if t not in lost])
     return lost
+
+
+def _measure_sync(
+    space: SearchSpace, run_dir: Path, machines: dict[str, int], rates: dict[str, float], stream: TextIO
+) -> None:
+    """On a cluster of several machines: measure the link between them and choose the sync mode and round length
+    for the base experiment at the speed stage's rates; kept in sync.json for the profiles (a resumed run keeps it)."""
+    from raytrm.distributed.link import choose_for_cluster, measure_cluster_link, model_bytes
+
+    path = run_dir / SYNC_FILE
+    if path.is_file() or sum(machines.values()) < 2:
+        return
+    base = cfg.from_dict(cfg.ExperimentConfig, space.base, space.source, "base")
+    nbytes = model_bytes(cfg.to_dict(base))
+    link = measure_cluster_link(nbytes)
+    if link is None:
+        return
+    record = choose_for_cluster(link, nbytes, base.training.global_batch_size, rates, machines)
+    cfg.write_text_atomic(json.dumps(record, indent=2), path)
+    every = f" H={record['every']}" if record["every"] else ""
+    print(f"sync between the machines: {record['mode']}{every} ({record['reason']})", file=stream)
 
 
 def _run_studies(

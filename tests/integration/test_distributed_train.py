@@ -41,6 +41,7 @@ def experiment(puzzles, **training) -> cfg.ExperimentConfig:
                 "threads": 1,
                 "seed": 4,
                 "log_interval": 1,
+                "sync_mode": "exact",  # one process's update, whatever `auto` would choose on a loaded machine
                 **training,
             },
         },
@@ -66,6 +67,15 @@ def test_two_ray_train_workers_equal_one_process(ray_cluster, puzzles, tmp_path)
     assert_same_training(tmp_path / "one", tmp_path / "two", config.training.lr)
     rows = [r["workers"] for r in read_metrics(tmp_path / "two" / "metrics.jsonl") if "workers" in r]
     assert len(rows) == 5 and all(len(r) == 2 and r[0]["sync_s"] > 0 for r in rows)
+
+
+def test_ray_train_workers_choose_their_sync_mode_from_the_link_and_say_why(ray_cluster, puzzles, tmp_path):
+    summary = train_distributed(experiment(puzzles, steps=5, sync_mode="auto"), tmp_path / "auto", workers=2)
+    assert summary["sync_mode"] in ("exact", "compressed", "local") and "Mbit/s" in summary["sync_reason"]
+    assert len(summary["sync_share"]["workers"]) == 2 and 0 <= summary["sync_share"]["run"] < 1
+    lines = read_metrics(tmp_path / "auto" / "metrics.jsonl")
+    assert [(e["step"], e["mode"]) for e in lines if e.get("event") == "sync-choice"] == [(3, summary["sync_mode"])]
+    assert all("sync_s" in r and "sync_share" in r for r in lines if "event" not in r)
 
 
 def profile(config: cfg.ExperimentConfig, tier: str, micro: int, speed: float) -> cfg.Profile:

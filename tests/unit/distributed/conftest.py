@@ -51,6 +51,7 @@ def text_config(corpus, tmp_path, monkeypatch):
                     "threads": 1,
                     "seed": 5,
                     "grad_clip": 1.0,
+                    "sync_mode": "exact",  # these tests compare to one process
                 },
             },
         )

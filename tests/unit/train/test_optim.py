@@ -179,3 +179,20 @@ def test_sparse_signsgd_never_waits_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert table.abs().sum().item() > 0
+
+
+def test_ema_fold_of_one_value_many_times_is_that_many_updates():
+    # A local round's synchronized weights are folded in once per inner step, in one pass.
+    model, twin = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    twin.load_state_dict(model.state_dict())
+    folded, stepped = ModelEMA(model, decay=0.99, warmup=True), ModelEMA(twin, decay=0.99, warmup=True)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            p.add_(1.0)
+            q.add_(1.0)
+    folded.fold(model.named_parameters(), times=7)
+    for _ in range(7):
+        stepped.update(twin)
+    assert folded.updates == stepped.updates == 7
+    for name, value in stepped.shadow.items():
+        torch.testing.assert_close(folded.shadow[name], value, rtol=1e-6, atol=1e-6)

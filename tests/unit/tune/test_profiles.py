@@ -3,6 +3,8 @@ pick, and one clear line where a run cannot give one."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from raytrm import config as cfg
@@ -74,3 +76,26 @@ def test_what_cannot_be_exported_is_one_line(plain_run, staged_run, tmp_path):
     (tmp_path / "new" / layout.TUNE_FILE).write_text("raytrm_tune: 1\n")
     with pytest.raises(UserError, match="the run never reached its studies; resume it with `raytrm tune --resume"):
         export_run(tmp_path / "new")
+
+
+def test_a_cluster_run_records_the_link_and_the_sync_mode_chosen_from_it(staged_run):
+    # The speed stage measured the link between the machines (sync.json): the profiles train in that mode, and say
+    # why; the profile reads back, and the record holds no field the schema refuses.
+    from raytrm.distributed.link import choose_for_cluster
+    from raytrm.train.sync_choice import Link
+
+    record = choose_for_cluster(Link(0.001, 20e6 / 8), 800_000, 16, {AIR: 60.0, STUDIO: 190.0}, {AIR: 1, STUDIO: 1})
+    assert record["mode"] == "local" and record["every"] >= record["fewest_every"] >= 1
+    (staged_run / layout.SYNC_FILE).write_text(json.dumps(record))
+    profile = build_profile(staged_run, STUDIO)
+    assert (profile.training.sync_mode, profile.training.sync_every) == ("local", record["every"])
+    assert profile.training.sync_overlap == record["overlap"]
+    assert profile.measured.sync["mbit_s"] == pytest.approx(20.0) and profile.measured.sync["reason"]
+    path = export_run(staged_run)[STUDIO]
+    assert cfg.load_profile(path) == profile
+    # A fast link keeps exact sync, and no round length.
+    fast = choose_for_cluster(Link(1e-4, 10e9 / 8), 800_000, 16, {AIR: 60.0, STUDIO: 190.0}, {AIR: 1, STUDIO: 1})
+    (staged_run / layout.SYNC_FILE).write_text(json.dumps(fast))
+    profile = build_profile(staged_run, AIR)
+    training = profile.training
+    assert (training.sync_mode, training.sync_every, training.sync_overlap) == ("exact", None, None)

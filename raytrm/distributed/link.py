@@ -1,0 +1,93 @@
+"""The link between a cluster's machines, measured for the tuner: one Ray task per raytrm machine, joined in a gloo
+group, times sums of growing buffers, the probe a run takes at its start (raytrm.train.sync_choice.measure_link).
+
+`choose_for_cluster` then picks the sync mode and round length that keep the wait under 5% of a step, from that
+link, the model's gradient bytes and the cluster's step: every machine at its tier's measured samples/s, the global
+batch shared so that they finish together, is B / (sum of the machines' samples/s).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from raytrm import config as cfg
+from raytrm.distributed.ray_train import Node, raytrm_nodes
+from raytrm.train.sync_choice import TARGET_SHARE, Link, choose, fewest_steps, measure_link
+
+logger = logging.getLogger(__name__)
+
+
+def model_bytes(experiment: dict[str, Any]) -> int:
+    """Bytes of the gradient the experiment's model sums each step (its trainable parameters)."""
+    from raytrm.train.trainer import Trainer
+
+    trainer = Trainer(cfg.from_dict(cfg.ExperimentConfig, experiment, "<link probe>"))
+    try:
+        return sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+    finally:
+        trainer.close()
+
+
+def probe(rank: int, world_size: int, address: str, port: int, nbytes: int) -> dict[str, float]:
+    """One machine's part: join the group at address:port, time the sums, leave; returns the fitted link."""
+    import torch.distributed as dist
+
+    from raytrm.distributed.process_group import ProcessGroupSync
+    from raytrm.hardware import device as devices
+
+    cpu = torch.device(devices.CPU)
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size)
+    try:
+        link, seconds = measure_link(ProcessGroupSync(cpu), cpu, nbytes, budget_s=1.0)
+    finally:
+        dist.destroy_process_group()
+    return {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s, "probe_s": seconds}
+
+
+def measure_cluster_link(nbytes: int, nodes: Sequence[Node] | None = None) -> Link | None:
+    """The link between the cluster's raytrm machines (Ray connected); None with fewer than two."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from raytrm.distributed.launch import free_port
+
+    nodes = list(nodes if nodes is not None else raytrm_nodes())
+    if len(nodes) < 2:
+        return None
+
+    def on(node: Node, fn: Any) -> Any:
+        strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+        return ray.remote(num_cpus=0)(fn).options(scheduling_strategy=strategy)
+
+    port = ray.get(on(nodes[0], free_port).remote())
+    address, count = nodes[0].address, len(nodes)
+    found = ray.get([on(node, probe).remote(rank, count, address, port, nbytes) for rank, node in enumerate(nodes)])[0]
+    logger.info("the link between %d machines, probed in %.1f s", len(nodes), found["probe_s"])
+    return Link(found["latency_s"], found["bytes_per_s"])
+
+
+def choose_for_cluster(
+    link: Link, nbytes: int, global_batch: int, rates: dict[str, float], machines: dict[str, int]
+) -> dict[str, Any]:
+    """The sync choice for a cluster of `machines` (tier -> count) whose tiers train at `rates` samples/s, as the
+    record a profile keeps (measured.sync): the link, the step, the choice, and the fewest steps a local round needs
+    with the chosen overlap (the lower bound of H where a search tries it)."""
+    speed = sum(rates[t] * n for t, n in machines.items() if t in rates)
+    step_s = global_batch / speed if speed > 0 else 0.0
+    choice = choose(link, step_s, nbytes)
+    return {
+        **link.to_dict(),
+        "step_s": step_s,
+        "model_mb": nbytes / 1e6,
+        "machines": dict(machines),
+        "mode": choice.mode,
+        "every": choice.every,
+        "overlap": choice.overlap,
+        "predicted_share": choice.share,
+        "fewest_every": fewest_steps(link, step_s, nbytes, choice.overlap, TARGET_SHARE) if step_s > 0 else None,
+        "reason": choice.reason,
+    }

@@ -1,0 +1,226 @@
+"""The automatic sync choice: the link fitted from timed sums, the mode and round length chosen from a faked link and
+step time, and the run's hook choosing (and choosing again on drift) with two mirrored workers in one process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from raytrm.train import sync_modes
+from raytrm.train.loop import Hook, Loop
+from raytrm.train.schedule import StepLimit
+from raytrm.train.sync_choice import Link, choose, fit_link, measure_link, step_share
+from raytrm.train.sync_modes import SyncModes
+from raytrm.train.trainer import Trainer
+
+MBIT = 1e6 / 8  # bytes per second in a Mbit/s
+
+
+def test_fit_link_recovers_latency_and_rate():
+    link = Link(0.002, 100 * MBIT)
+    points = [(b, link.seconds(b)) for b in (4, 1 << 16, 1 << 18, 1 << 20)]
+    fitted = fit_link(points)
+    assert fitted.latency_s == pytest.approx(0.002, rel=1e-6)
+    assert fitted.bytes_per_s == pytest.approx(100 * MBIT, rel=1e-6)
+    # Noise that would make the fixed cost negative: the largest sum alone sets the rate.
+    assert fit_link([(1000, 0.5), (2000, 0.1)]).latency_s == 0.0
+
+
+def test_a_fast_link_keeps_exact_sync():
+    choice = choose(Link(1e-4, 10_000 * MBIT), step_s=0.1, model_bytes=4_000_000)
+    assert (choice.mode, choice.every) == ("exact", None)
+    assert choice.share <= 0.05 and "exact keeps it" in choice.reason
+
+
+def test_a_link_half_too_slow_compresses():
+    # 4 MB at 1 Gbit/s: 32 ms, 6.0% of a 0.5 s step; half the bytes 3.1%.
+    choice = choose(Link(1e-4, 1000 * MBIT), step_s=0.5, model_bytes=4_000_000)
+    assert choice.mode == "compressed"
+    assert step_share(Link(1e-4, 1000 * MBIT), 0.5, 4_000_000) > 0.05 >= choice.share
+
+
+def test_a_slow_link_takes_the_fewest_local_steps_that_keep_the_share():
+    link = Link(0.001, 20 * MBIT)  # 0.8 MB: 0.321 s a sum against a 2 s step
+    waiting = choose(link, step_s=2.0, model_bytes=800_000, overlap_ok=False)
+    assert (waiting.mode, waiting.overlap) == ("local", 0)
+    h = waiting.every
+    assert step_share(link, 2.0, 800_000, h) <= 0.05 < step_share(link, 2.0, 800_000, h - 1)
+    assert h == 4 and f"H={h}" in waiting.reason
+    # The exchange behind one step hides it, in rounds no shorter than OVERLAP_ROUND steps behind: here shorter than
+    # without (13); where waiting asks for fewer steps than that, the choice waits.
+    behind = choose(Link(0.001, 5 * MBIT), step_s=2.0, model_bytes=800_000, overlap_ok=True)
+    assert (behind.mode, behind.every, behind.overlap) == ("local", 5, 1)
+    assert choose(Link(0.001, 5 * MBIT), step_s=2.0, model_bytes=800_000, overlap_ok=False).every == 13
+    assert choose(link, step_s=2.0, model_bytes=800_000, overlap_ok=True).overlap == 0
+    # A round length given (a learning knob) is kept; the longest round caps what the link asks.
+    assert choose(link, step_s=2.0, model_bytes=800_000, every=10, overlap_ok=False).every == 10
+    capped = choose(Link(0.001, 1 * MBIT), step_s=0.01, model_bytes=10_000_000, max_every=50, overlap_ok=False)
+    assert capped.every == 50 and capped.share > 0.05 and "the longest" in capped.reason
+    # Local asked for (without H): never exact, even on a fast link.
+    assert choose(Link(1e-4, 10_000 * MBIT), 0.1, 4_000_000, modes=("local",)).mode == "local"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Pending:
+    def __init__(self, clock: FakeClock, seconds: float) -> None:
+        self.clock, self.seconds = clock, seconds
+
+    def wait(self) -> float:
+        self.clock.t += self.seconds
+        return self.seconds
+
+
+class MirroredSync:
+    """Two workers in one process: the other is this one's mirror image (the same samples' share, the same updates),
+    so every sum is twice this worker's and every gather holds it twice; sums take the fake link's time."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self, link: Link, clock: FakeClock) -> None:
+        self.link, self.clock = link, clock
+        self.compressed = False
+
+    def _seconds(self, tensors) -> float:
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return self.link.seconds(nbytes / 2 if self.compressed else nbytes)
+
+    def all_reduce_gradients(self, params):
+        grads = [p.grad for p in params if p.grad is not None]
+        for g in grads:
+            g.mul_(2)
+        return Pending(self.clock, self._seconds(grads)).wait()
+
+    def overlapped(self, params):
+        return None
+
+    def gather_rows(self, ids, grads):
+        return torch.cat([ids, ids]), torch.cat([grads, grads])
+
+    def sum_floats(self, values):
+        return [2 * v for v in values]
+
+    def gather_floats(self, values):
+        return [list(values), list(values)]
+
+    def gather_objects(self, obj):
+        return [obj, obj]
+
+    def any(self, flag):
+        return flag
+
+    def broadcast_object(self, obj):
+        return obj
+
+    def sum_tensors(self, tensors):
+        for t in tensors:
+            t.mul_(2)
+        return Pending(self.clock, self._seconds(tensors))
+
+    def set_compression(self, on):
+        self.compressed = on
+
+    def compression_state(self):
+        return None
+
+    def load_compression_state(self, residual):
+        pass
+
+
+def test_measure_link_on_a_faked_link():
+    clock = FakeClock()
+    link, seconds = measure_link(MirroredSync(Link(0.003, 50 * MBIT), clock), torch.device("cpu"), 8 << 20, clock=clock)
+    assert link.latency_s == pytest.approx(0.003, rel=1e-3)
+    assert link.bytes_per_s == pytest.approx(50 * MBIT, rel=1e-3)
+    assert seconds == pytest.approx(clock.t)
+
+
+class ScriptedStep(Hook):
+    """Each step took `compute_s` without sync (the faked step time), plus what its sync took."""
+
+    def __init__(self, compute_s: float) -> None:
+        self.compute_s = compute_s
+
+    def after_step(self, loop, step):
+        step.result.seconds = self.compute_s + step.result.sync_seconds
+
+
+def _run(trainer, hooks, steps):
+    events = []
+
+    class Events(Hook):
+        def end_step(self, loop, step):
+            events.extend(step.events)
+
+    loop = Loop(trainer, [StepLimit(steps), *hooks, Events()], measure_peak=False)
+    loop.run()
+    return [e for e in events if e["event"] == "sync-choice"]
+
+
+def test_the_run_chooses_from_the_faked_link_and_step(tiny):
+    # 0.5 s a step against a 20 Mbit/s link: exact would wait most of it, so the run takes local rounds.
+    clock = FakeClock()
+    link = Link(0.001, 20 * MBIT)
+    config = tiny(training={"sync_mode": "auto", "sync_overlap": 0})
+    trainer = Trainer(config, sync=MirroredSync(link, clock))
+    modes = SyncModes(trainer, clock=clock)
+    choices = _run(trainer, [ScriptedStep(0.5), modes], steps=sync_modes.PROBE_STEPS + 4)
+    expected = choose(modes.link, 0.5, modes.model_bytes, overlap=0)
+    assert modes.link.bytes_per_s == pytest.approx(link.bytes_per_s, rel=1e-3)
+    assert expected.every > 1
+    assert [(c["step"], c["mode"], c["every"]) for c in choices] == [(sync_modes.PROBE_STEPS, "local", expected.every)]
+    assert choices[0]["step_s"] == pytest.approx(0.5)
+    assert math.isclose(choices[0]["predicted_share"], expected.share)
+    assert trainer.steps_alone and modes.summary()["sync_mode"] == "local"
+    trainer.close()
+
+
+def test_a_drifting_share_measures_again_and_chooses_again(tiny, monkeypatch):
+    # A fast link (exact) that turns slow mid-run: the measured share leaves the prediction, the run re-measures
+    # and moves to local rounds, and says what it measured.
+    monkeypatch.setattr(sync_modes, "CHECK_EVERY", 4)
+    clock = FakeClock()
+    sync = MirroredSync(Link(1e-5, 100_000 * MBIT), clock)
+    trainer = Trainer(tiny(training={"sync_mode": "auto", "sync_overlap": 0}), sync=sync)
+    modes = SyncModes(trainer, clock=clock)
+
+    class Slowdown(Hook):
+        def before_step(self, loop):
+            if trainer.step == 5:
+                sync.link = Link(0.001, 5 * MBIT)
+
+    choices = _run(trainer, [Slowdown(), ScriptedStep(0.5), modes], steps=12)
+    assert [c["mode"] for c in choices] == ["exact", "local"]
+    assert choices[1]["measured_share"] > 0.05 and choices[1]["step"] >= 7
+    assert "measured_share" not in choices[0]
+    trainer.close()
+
+
+def test_outer_step_is_sgd_with_nesterov_momentum(tiny):
+    # The rounds' outer optimizer against torch's SGD (nesterov) on the same pseudo-gradients.
+    from raytrm.train.rounds import LocalRounds
+
+    trainer = Trainer(tiny())
+    rounds = LocalRounds(trainer, 2, outer_lr=0.7, outer_momentum=0.9)
+    reference = [p.detach().clone().requires_grad_() for p in rounds.globals]
+    sgd = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        deltas = [torch.randn(p.shape, generator=gen) for p in reference]
+        for d, mine in zip(deltas, rounds.deltas, strict=True):
+            mine.copy_(d)
+        for d, p in zip(deltas, reference, strict=True):
+            p.grad = d.clone()
+        rounds._outer_step()
+        sgd.step()
+    for g, p in zip(rounds.globals, reference, strict=True):
+        torch.testing.assert_close(g, p.detach(), rtol=1e-6, atol=1e-7)
+    trainer.close()
