@@ -320,7 +320,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(distributed.format_rows(dist_rows))
         results = distributed.as_json(dist_rows)
         if shaped is not None:
-            print(link.format_rows(shaped.rows, shaped.models))
+            print(shaped.table())
             results = {"rows": results, "link": shaped.to_json()}
     elif args.what == "mix":
         from raytrm.bench import mix
