@@ -148,7 +148,7 @@ class Host:
             self._argv(argv), env=self.env(env), capture_output=True, text=True, timeout=timeout, check=False
         )
         if check and done.returncode != 0:
-            raise AssertionError(f"{self.name}: {' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}")
+            raise RuntimeError(f"{self.name}: {' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}")
         return done
 
     def popen(self, *argv: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
