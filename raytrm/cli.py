@@ -325,10 +325,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(memory.format_rows(rows, overhead))
         results: object = memory.as_json(rows, overhead)
     elif args.what == "distributed":
-        from raytrm.bench import distributed, modes
+        from raytrm.bench import distributed, link, modes
 
         device = args.device if args.device != "auto" else "cpu"
-        parts = [part for part in args.parts if part != "modes"]
+        parts = [part for part in args.parts if part not in ("modes", "link")]
+        if "link" in args.parts:
+            link.refuse_unless_possible()
         with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
             dist_rows = (
                 distributed.run(parts, device, args.batch, args.slowdown, args.repeats, args.workers, Path(work))
@@ -337,8 +339,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
             if "modes" in args.parts:
                 dist_rows += modes.run(Path(work), args.every, args.repeats, args.samples, device)
-        print(distributed.format_rows(dist_rows))
+            shaped = None
+            if "link" in args.parts:
+                models, steps, rounds = args.link_models, args.link_steps, args.link_rounds
+                shaped = link.run(args.link_rates, args.sync_modes, models, steps, rounds, Path(work) / "link")
+        if dist_rows:
+            print(distributed.format_rows(dist_rows))
         results = distributed.as_json(dist_rows)
+        if shaped is not None:
+            print(shaped.table())
+            results = {"rows": results, "link": shaped.to_json()}
     elif args.what == "mix":
         from raytrm.bench import mix
 
@@ -530,7 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens/s and fraction of the matmul rate, beside a nanoGPT-style reference of the same shape; memory: the "
         "memory model's prediction error and the cost of per-step monitoring; distributed: unequal workers with "
         "balanced and equal shares against their solo sum, Ray Train's per-step cost, gradient sync per link, scaling "
-        "over GPUs; mix: one call of TRM-MLP's position mixing (SwiGLU, residual, norm) each way this device runs it",
+        "over GPUs, two hosts training across a shaped link; mix: one call of TRM-MLP's position mixing (SwiGLU, "
+        "residual, norm) each way this device runs it",
     )
     p.add_argument(
         "--seq-lens", nargs="+", type=int, default=[128, 256, 512], help="transformer: sequence lengths to time"
@@ -588,15 +599,52 @@ def build_parser() -> argparse.ArgumentParser:
         "--parts",
         nargs="+",
         default=["pair", "ray", "sync"],
-        choices=("pair", "ray", "sync", "overlap", "scaling", "modes"),
+        choices=("pair", "ray", "sync", "overlap", "scaling", "modes", "link"),
         help="distributed: which measurements (scaling wants --device cuda and --workers 1 2; overlap runs "
-        "max(--workers, 2) workers; modes: each sync mode's quality at equal samples, --repeats training seeds)",
+        "max(--workers, 2) workers; modes: each sync mode's quality at equal samples, --repeats training seeds; "
+        "link, root on Linux only: two hosts made of network namespaces train across a link it shapes, see "
+        "--link-rates)",
     )
     p.add_argument(
         "--every", nargs="+", type=int, default=None, help="distributed modes: H of the local rounds (default 5 20 50)"
     )
     p.add_argument(
         "--samples", type=int, default=None, help="distributed modes: samples each run trains (default 16000)"
+    )
+    p.add_argument(
+        "--link-rates",
+        nargs="+",
+        default=["unshaped", "1gbit", "100mbit", "20mbit"],
+        metavar="RATE",
+        help="distributed link: the link's rates (unshaped, or tc's notation: 1gbit, 100mbit, 20mbit)",
+    )
+    p.add_argument(
+        "--sync-modes",
+        nargs="+",
+        metavar="MODE",
+        help="distributed link: sync modes to run (exact, compressed, local, local:H, auto; default: every mode "
+        "this build has)",
+    )
+    p.add_argument(
+        "--link-models",
+        nargs="+",
+        default=["trm", "lm"],
+        choices=("trm", "lm"),
+        help="distributed link: TRM mlp_t hidden 256 at global batch 64; the byte-level LM (20.6M parameters)",
+    )
+    p.add_argument(
+        "--link-steps",
+        nargs="+",
+        type=int,
+        metavar="N",
+        help="distributed link: steps of each run, per model in --link-models order (default 60 for TRM, 8 for "
+        "the LM); the quality is read after them, and a local mode's round should fit several times",
+    )
+    p.add_argument(
+        "--link-rounds",
+        type=int,
+        default=1,
+        help="distributed link: runs of every configuration, rates alternated; figures are medians",
     )
     p.add_argument("--slowdown", type=float, default=2.0, help="distributed: how much slower the slow worker is")
     p.add_argument(

@@ -1,0 +1,60 @@
+"""The rig's link rate on two real hosts: a shaped link carries its rate in both directions, and
+`raytrm bench distributed --parts link` runs end to end on a pair it makes itself, at one small configuration."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+
+import pytest
+
+from raytrm.bench import link
+from raytrm.cli import main
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def test_a_shaped_link_carries_its_rate_both_ways_and_unshaping_restores_it(pair):
+    unshaped = pair.transfer_mbit("a")
+    pair.set_rate("20mbit")
+    assert all("tbf" in shown and "rate 20Mbit" in shown for shown in pair.qdiscs()), pair.qdiscs()
+    shaped = [pair.transfer_mbit("a"), pair.transfer_mbit("b")]
+    assert all(15 < got < 21 for got in shaped), shaped  # TCP gets nearly all of the rate, never more
+    assert unshaped > 20 * max(shaped), (unshaped, shaped)
+    pair.set_rate("unshaped")
+    assert not any("tbf" in shown for shown in pair.qdiscs()), pair.qdiscs()
+    assert pair.transfer_mbit("b") > 20 * max(shaped)
+
+
+def namespaces() -> set[str]:
+    """The namespaces this process made (others' tests may make theirs meanwhile)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    names = (line.split()[0] for line in listed.splitlines() if line.strip())
+    return {name for name in names if name[3:].partition("-")[0] == str(os.getpid())}
+
+
+def test_the_link_part_trains_on_its_own_pair_and_removes_it(pair, tmp_path, monkeypatch, capsys):
+    """A small TRM (hidden 64: 0.4M parameters) unshaped and at 20 Mbit/s, exact sync; the pair fixture only
+    proves this machine can make hosts."""
+    before = namespaces()
+    small = functools.partial(link.trm_model, hidden=64, batch=16, train_puzzles=200, augment=0)
+    monkeypatch.setattr(link, "trm_model", small)
+    out = tmp_path / "link.json"
+    args = ["--link-models", "trm", "--link-rates", "unshaped", "20mbit", "--link-steps", "6", "--json", str(out)]
+    assert main(["bench", "distributed", "--parts", "link", *args]) == 0
+    assert namespaces() == before  # the bench's own hosts are gone with their processes
+    printed = capsys.readouterr().out
+    assert "trm: TRM mlp_t hidden 64, global batch 16" in printed and "96 samples" in printed
+    result = json.loads(out.read_text())["results"]
+    assert result["rows"] == []  # no other part was asked for
+    runs = {r["rate"]: r for r in result["link"]["runs"]}
+    assert all(r["error"] == "" and r["workers"] == 2 and r["timed_steps"] == 4 for r in runs.values()), runs
+    fast, slow = runs["unshaped"], runs["20mbit"]
+    assert 15 < slow["link_mbit"] < 21 < 20 * 21 < fast["link_mbit"]
+    # 1.6 MB of gradients a step at 20 Mbit/s: most of the step waits on the link.
+    assert slow["sync_share"] > max(0.3, fast["sync_share"]) and slow["samples_per_sec"] < fast["samples_per_sec"]
+    assert 0 < fast["quality"] < 1 and slow["quality"] == pytest.approx(fast["quality"], abs=0.02)
+    rows = {r["rate"]: r for r in result["link"]["rows"]}
+    assert rows["unshaped"]["ratio"] == 1.0 and rows["20mbit"]["ratio"] < 1.0
