@@ -1,4 +1,5 @@
-"""Choices a fast path measured once on this machine, kept on disk so the next process skips measuring them.
+"""Choices measured once on this machine, kept on disk so the next process skips measuring them: a fast path's
+algorithm per shape, the memory governor's fit per model on a GPU.
 
 A store is one JSON file of key -> value, named by what the choice depends on (for cuBLASLt's algorithms: the GPU,
 the driver and the library's version), under raytrm's cache dir. Processes that share the machine (tuning trials)

@@ -6,8 +6,10 @@ nothing is spent on probing. A line fitted to the small probe cuts predicts larg
 apart, each a few tens of MiB off, can give a slope 20% off), so the chosen cut is approached at most doubling per
 step, refitting on each step's peak: the last move extrapolates from a cut at least half its size. A trial's
 governor holds instead: it probes two smaller cuts of the asked micro-batch, fits, and then keeps the asked one,
-whose predicted peak the trial checks against the budget. Decisions are pure functions of what it is told (step
-peaks, pressure, out-of-memory errors), so tests script them.
+whose predicted peak the trial checks against the budget. Given the cuts and peaks an earlier run of the same
+model measured on this machine (`known_points`), it skips the probe and the approach and starts at the cut their fit
+chooses: on a GPU each new cut is compiled anew, so the walk up to it is most of a run's warm-up. Decisions are pure
+functions of what it is told (step peaks, pressure, out-of-memory errors, known points), so tests script them.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class MemoryGovernor:
     probe_cuts: tuple[int, ...] = ()
     #: After the probe, keep max_micro_batch whatever the fit says, and never re-cut (a trial measures its cut).
     hold: bool = False
+    #: (cut, peak bytes) an earlier run of the same model measured on this machine: start at their fit's cut.
+    known_points: tuple[tuple[int, int], ...] = ()
     events: list[dict] = field(default_factory=list)
     fit: MemoryFit | None = None
     target: int | None = None
@@ -57,9 +61,25 @@ class MemoryGovernor:
     _calm_steps: int = 0
     _current: int = 0
     _approaching: bool = False  # moving up to the fitted target, refitting on each step's peak
+    _known: bool = False  # the points began with known ones: none of them is a warm-up step's
 
     def __post_init__(self) -> None:
         top = min(self.max_micro_batch, self.global_batch)
+        if self.known_points and not self.hold and len({cut for cut, _ in self.known_points}) >= 2:
+            self._points, self._known = [(int(b), int(p)) for b, p in self.known_points], True
+            self._refit()
+            assert self.fit is not None
+            self.target = min(self._fitting(self.settings.margin), self.global_batch)
+            self._current = top
+            self._event(
+                0,
+                "choose",
+                self.target,
+                f"the fit kept from an earlier run of this model here ({len(self.fit.points)} cuts) predicts "
+                f"{self.fit.predict(self.target) / MiB:.0f} MiB of {self.budget_bytes / MiB:.0f} MiB at micro-batch "
+                f"{self.target}; no probe",
+            )
+            return
         if self.probe_cuts or self.hold:
             self._probe = list(self.probe_cuts)
         else:
@@ -78,6 +98,15 @@ class MemoryGovernor:
     def probing(self) -> bool:
         """The next step is a probe step: its cut is measured for the fit, not yet chosen."""
         return bool(self._probe)
+
+    @property
+    def settled(self) -> bool:
+        """Probed, fitted and at its target: its points are worth keeping for the next run of the model."""
+        return not self._probe and not self._approaching and self.fit is not None and not self.hold
+
+    def measured_points(self) -> list[tuple[int, int]]:
+        """The newest measured peak per cut, the fit's points (a warm-up step's left out, as the fit does)."""
+        return sorted(self._fit_points().items())
 
     def predicted_peak(self, micro_batch: int) -> float | None:
         """The fit's peak at a micro-batch, in bytes; None before the fit."""
@@ -170,11 +199,13 @@ class MemoryGovernor:
         self._event(step, "out-of-memory", self.target, "the allocator raised out-of-memory; the step is redone")
         return self._current
 
-    def _refit(self) -> None:
+    def _fit_points(self) -> dict[int, int]:
         # The newest point per micro-batch: old peaks at a size predate what the process holds now. The warm-up step
         # (the first, where one-time allocations land) is left out unless its cut was measured again.
-        latest = dict(self._points[1:] if len(self._points) > 2 else self._points)
-        self.fit = fit(sorted(latest.items()))
+        return dict(self._points[1:] if len(self._points) > 2 and not self._known else self._points)
+
+    def _refit(self) -> None:
+        self.fit = fit(sorted(self._fit_points().items()))
 
     def _next_cut(self) -> int:
         """The target, or as far towards it as one step of the approach may move (self.target is set)."""
@@ -240,6 +271,7 @@ class MemoryGovernor:
             "probe": list(self._probe),
             "calm_steps": self._calm_steps,
             "approaching": self._approaching,
+            "known": self._known,
             "peak_bytes": self.peak_bytes,
             "events": list(self.events),
         }
@@ -251,6 +283,7 @@ class MemoryGovernor:
         self._probe = [int(b) for b in state["probe"]]
         self._calm_steps, self.peak_bytes = int(state["calm_steps"]), int(state["peak_bytes"])
         self._approaching = bool(state.get("approaching", False))  # absent from checkpoints before the approach
+        self._known = bool(state.get("known", False))  # absent from checkpoints before known points
         json.dumps(state["events"])  # they go to summary.json: refuse what could not (a TypeError) before training
         self.events = list(state["events"])
         if self._points and not self._probe:

@@ -6,12 +6,22 @@ probes small cuts, chooses the largest that fits, shrinks under pressure or an a
 of it (real training steps, part of the warm-up), and the fit's prediction for the asked cut halts the trial before
 a step the machine cannot hold (on the CPU an oversized step raises nothing: the kernel kills the process). After
 that a measured peak over the budget halts it.
+
+On a GPU an adapting governor's settled points are kept per GPU and torch version, keyed by the model, its data and
+the step's shape (raytrm.fastpaths.tuned's store): the next run of the same model there starts at the fitted cut
+instead of compiling every cut on the way up to it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
+import torch
+
+from raytrm import schema
+from raytrm.fastpaths.tuned import TunedChoices, store_path
 from raytrm.hardware.pressure import MemoryReader
 from raytrm.train.adaptive import GovernorSettings, MemoryGovernor
 from raytrm.train.loop import Hook, Loop, Step
@@ -32,6 +42,8 @@ class MemoryBudget(Hook):
         #: Why a holding run went over its budget: "predicted" or "measured"; None while it holds.
         self.over_budget: str | None = None
         self._seen = 0  # the governor's events before this step
+        #: Where this run keeps its settled points for the next run of the model (GPUs only), and under what key.
+        self.kept: tuple[TunedChoices, str] | None = None
         trainer.set_micro_batch(governor.micro_batch)
 
     @classmethod
@@ -42,13 +54,18 @@ class MemoryBudget(Hook):
         train = trainer.config.training
         if not train.memory_budget_mb:
             return None
+        kept = _kept_fits(trainer)
+        found, known = kept[0].get(kept[1]) if kept else (False, None)
         governor = MemoryGovernor(
             budget_bytes=train.memory_budget_mb * MiB,
             global_batch=train.global_batch_size,
             max_micro_batch=train.micro_batch_size or train.global_batch_size,
             settings=settings or GovernorSettings(),
+            known_points=tuple(tuple(point) for point in known) if found else (),
         )
-        return cls(trainer, governor, reader or MemoryReader(device=trainer.device))
+        budget = cls(trainer, governor, reader or MemoryReader(device=trainer.device))
+        budget.kept = kept
+        return budget
 
     @classmethod
     def holding(cls, trainer: Trainer, budget_mb: float) -> MemoryBudget:
@@ -80,6 +97,9 @@ class MemoryBudget(Hook):
         loop.micro_batch = governor.after_step(trainer.step, step.peak_bytes, pressure)
         loop.probing = governor.probing
         step.events += governor.events[self._seen :]
+        if self.kept is not None and governor.settled and self.rank0:
+            self.kept[0].put(self.kept[1], governor.measured_points())
+            self.kept = None  # once a run: its later points follow pressure, not the model
         if not governor.hold:
             # A share cap matters only beside other workers: alone, the step skips measuring it.
             if trainer.sync.world_size > 1:
@@ -109,3 +129,21 @@ class MemoryBudget(Hook):
     def summary(self) -> dict[str, Any]:
         """The memory part of summary.json: budget, fit, predicted and measured peak, adaptations."""
         return self.governor.summary(self.trainer.micro_batch)
+
+
+def _kept_fits(trainer: Trainer) -> tuple[TunedChoices, str] | None:
+    """The store of settled points for this GPU and torch, and this run's key in it; None off a GPU."""
+    if trainer.device.type != "cuda":
+        return None
+    config, train = trainer.config, trainer.config.training
+    shape = {
+        "model": schema.to_dict(config.model),
+        "data": schema.to_dict(config.data),
+        "dtype": str(trainer.dtype),
+        "compile": train.compile,
+        "global_batch": train.global_batch_size,
+        "local_batch": trainer.local_batch,
+    }
+    key = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    name = torch.cuda.get_device_name(trainer.device)
+    return TunedChoices(store_path("memory-fit", name, f"torch{torch.__version__}")), key

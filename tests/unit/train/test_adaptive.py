@@ -43,6 +43,48 @@ def test_governor_probes_then_approaches_its_choice_under_the_budget():
     assert "micro-batch 100" in gov.events[0]["reason"]
 
 
+def test_points_of_an_earlier_run_start_the_governor_at_its_choice_without_a_probe():
+    """A GPU compiles each new cut: a second run of the model starts where the first settled, and keeps adapting."""
+    line = lambda b: int((400 + 5 * b) * MiB)  # noqa: E731 - the machine's true memory curve
+    first = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256)
+    assert not first.settled
+    settle(first, line)
+    assert first.settled and first.micro_batch == 100
+    kept = first.measured_points()
+    assert [cut for cut, _ in kept] == [8, 16, 32, 64, 100]  # the warm-up step's point left out, as the fit does
+
+    second = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256, known_points=tuple(kept))
+    assert (second.micro_batch, second.probing, second.settled) == (100, False, True)
+    assert second.events[0]["event"] == "choose" and "earlier run" in second.events[0]["reason"]
+    second.after_step(1, line(100))
+    assert second.micro_batch == 100
+    second.after_step(2, int(990 * MiB))  # above the high-water mark: it still shrinks
+    assert second.micro_batch < 100
+    # A smaller budget on the same machine: the kept fit chooses for it; a lone point fits nothing and is probed.
+    small = MemoryGovernor(budget_bytes=600 * MiB, global_batch=256, max_micro_batch=256, known_points=tuple(kept))
+    assert small.micro_batch == 28  # (0.9 x 600 - 400) / 5
+    alone = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256, known_points=kept[:1])
+    assert alone.probing and alone.micro_batch == 4
+
+
+def test_a_run_keeps_its_settled_points_for_the_next_run_of_the_model(tiny, tmp_path, monkeypatch):
+    """Kept on GPUs only (there a cut compiles): here the store is handed in, and the second run starts at the cut
+    the first settled on, with no probe steps."""
+    from raytrm.fastpaths.tuned import TunedChoices
+    from raytrm.train import memory_budget
+
+    store = tmp_path / "memory-fit.json"
+    monkeypatch.setattr(memory_budget, "_kept_fits", lambda trainer: (TunedChoices(store), "the-model"))
+    config = tiny(training={"steps": 8, "memory_budget_mb": 20000, "global_batch_size": 32})
+    first = run_training(config, tmp_path / "first")
+    kept = json.loads(store.read_text())["the-model"]
+    assert len(kept) >= 2
+    second = run_training(config, tmp_path / "second")
+    moves = second["memory"]["adaptations"]
+    assert [(e["event"], e["step"]) for e in moves] == [("choose", 0)]
+    assert moves[0]["micro_batch_to"] == first["memory"]["micro_batch"] == second["memory"]["micro_batch"]
+
+
 def test_a_holding_governor_probes_two_cuts_then_keeps_the_asked_one_and_predicts_it():
     """A trial's governor: it measures a quarter and a half of the asked micro-batch, fits, then holds the asked
     one whatever the fit says (the trial checks the prediction), and never re-cuts."""
