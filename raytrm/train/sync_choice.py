@@ -47,7 +47,8 @@ class Link:
 
     def describe(self) -> str:
         mbit = self.bytes_per_s * 8 / 1e6
-        return f"{mbit:.0f}" if mbit >= 100 else f"{mbit:.1f}" + f" Mbit/s and {self.latency_s * 1e3:.2f} ms a sum"
+        rate = f"{mbit:.0f}" if mbit >= 100 else f"{mbit:.1f}"
+        return f"{rate} Mbit/s and {self.latency_s * 1e3:.2f} ms a sum"
 
     def to_dict(self) -> dict[str, float]:
         return {"mbit_s": self.bytes_per_s * 8 / 1e6, "latency_ms": self.latency_s * 1e3}

@@ -18,6 +18,13 @@ from raytrm.train.trainer import Trainer
 MBIT = 1e6 / 8  # bytes per second in a Mbit/s
 
 
+@pytest.mark.parametrize(
+    ("mbit", "text"), [(3539, "3539 Mbit/s and 0.20 ms a sum"), (19.96, "20.0 Mbit/s and 0.20 ms a sum")]
+)
+def test_a_link_is_described_in_mbit_per_s_whatever_its_rate(mbit, text):
+    assert Link(0.0002, mbit * MBIT).describe() == text
+
+
 def test_fit_link_recovers_latency_and_rate():
     link = Link(0.002, 100 * MBIT)
     points = [(b, link.seconds(b)) for b in (4, 1 << 16, 1 << 18, 1 << 20)]
