@@ -42,7 +42,8 @@ def test_the_link_part_trains_on_its_own_pair_and_removes_it(pair, tmp_path, mon
     small = functools.partial(link.trm_model, hidden=64, batch=16, train_puzzles=200, augment=0)
     monkeypatch.setattr(link, "trm_model", small)
     out = tmp_path / "link.json"
-    args = ["--link-models", "trm", "--link-rates", "unshaped", "20mbit", "--link-steps", "6", "--json", str(out)]
+    args = ["--link-models", "trm", "--link-rates", "unshaped", "20mbit", "--sync-modes", "exact", "--link-steps", "6"]
+    args += ["--json", str(out)]
     assert main(["bench", "distributed", "--parts", "link", *args]) == 0
     assert namespaces() == before  # the bench's own hosts are gone with their processes
     printed = capsys.readouterr().out
