@@ -64,7 +64,8 @@ class MemoryBudget(Hook):
             known_points=tuple(tuple(point) for point in known) if found else (),
         )
         budget = cls(trainer, governor, reader or MemoryReader(device=trainer.device))
-        budget.kept = kept
+        # Only a run that probed keeps its points: a started one's first step (one-time allocations) would raise them.
+        budget.kept = None if found else kept
         return budget
 
     @classmethod

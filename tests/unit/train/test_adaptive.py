@@ -83,6 +83,7 @@ def test_a_run_keeps_its_settled_points_for_the_next_run_of_the_model(tiny, tmp_
     moves = second["memory"]["adaptations"]
     assert [(e["event"], e["step"]) for e in moves] == [("choose", 0)]
     assert moves[0]["micro_batch_to"] == first["memory"]["micro_batch"] == second["memory"]["micro_batch"]
+    assert json.loads(store.read_text())["the-model"] == kept  # the started run leaves the probed points as they were
 
 
 def test_a_holding_governor_probes_two_cuts_then_keeps_the_asked_one_and_predicts_it():
