@@ -535,8 +535,9 @@ def _number(value: object) -> bool:
 def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """optimizer.load_state_dict, then the checks torch leaves to the first step, which would fail deep inside it.
 
-    Numeric hyperparameters stay numbers (lr, eps) or tuples of as many numbers (betas); every parameter's state
-    holds the same keys, each a scalar or a tensor of the parameter's shape.
+    Numeric hyperparameters stay numbers (lr, eps) or tuples of as many numbers (betas); every parameter's state is
+    a mapping of the same keys: its step count a number or a 0-d tensor, every other entry (the moments) a tensor of
+    the parameter's shape.
     """
     before = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(state)
@@ -555,13 +556,18 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> 
     for group in optimizer.param_groups:
         for param in group["params"]:
             saved = optimizer.state.get(param)
+            if saved is not None and not isinstance(saved, dict):
+                raise TypeError(f"optimizer state of a parameter: got {type(saved).__name__}, expected a mapping")
             if not saved:
                 continue
             keys = set(saved) if keys is None else keys
             if set(saved) != keys:
                 raise KeyError(f"optimizer state of a parameter holds {sorted(saved)}, the others {sorted(keys)}")
             for key, value in saved.items():
-                if _number(value) or (isinstance(value, torch.Tensor) and value.shape in ((), param.shape)):
+                tensor = isinstance(value, torch.Tensor)
+                if key == "step" and (_number(value) or (tensor and value.shape == ())):
+                    continue
+                if key != "step" and tensor and value.shape == param.shape:
                     continue
                 what = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(f"optimizer state {key!r} of a {tuple(param.shape)} parameter: got {what}")

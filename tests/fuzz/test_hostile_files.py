@@ -266,6 +266,41 @@ def test_checksummed_checkpoints_with_the_wrong_contents_are_one_line(tmp_path, 
     check_cli_refusal(code, err)
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda state: state.update(exp_avg=3),
+        lambda state: state.update(exp_avg=torch.tensor(0.5)),
+        lambda state: state.update(step=torch.zeros(2)),
+    ],
+    ids=["moment-a-number", "moment-a-scalar-tensor", "step-a-vector"],
+)
+def test_optimizer_states_that_load_but_cannot_step_are_one_line(tmp_path, seed_run, edit):
+    """Found by the checkpoint fuzzing: torch's load_state_dict takes these, and its first step fails deep inside."""
+    run, _ = seed_run
+    target = tmp_path / "run"
+    shutil.copytree(run, target)
+    path = target / "checkpoints" / "step-00000001.ckpt"
+    state = ckpt.load_checkpoint(path)
+    edit(next(iter(state["optimizer"]["state"].values())))
+    ckpt.save_checkpoint(state, path.parent, 1)
+    code, _, err = run_cli(["train", "--out", str(target), "--resume", "--steps", "2", "--quiet"])
+    assert "optimizer state" in check_cli_refusal(code, err)
+
+
+def test_a_parameters_optimizer_state_that_is_no_mapping_is_one_line(tmp_path, seed_run):
+    run, _ = seed_run
+    target = tmp_path / "run"
+    shutil.copytree(run, target)
+    path = target / "checkpoints" / "step-00000001.ckpt"
+    state = ckpt.load_checkpoint(path)
+    first = next(iter(state["optimizer"]["state"]))
+    state["optimizer"]["state"][first] = []
+    ckpt.save_checkpoint(state, path.parent, 1)
+    code, _, err = run_cli(["train", "--out", str(target), "--resume", "--steps", "2", "--quiet"])
+    assert "expected a mapping" in check_cli_refusal(code, err)
+
+
 def test_a_deeply_nested_checkpoint_header_is_one_line(tmp_path):
     path = tmp_path / "step-00000001.ckpt"
     path.write_bytes(b"[" * 100_000 + b"\n")
