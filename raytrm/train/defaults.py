@@ -91,7 +91,7 @@ def _apply_size_rule(experiment: dict[str, Any], overrides: dict[str, dict[str, 
     config = cfg.from_dict(cfg.ExperimentConfig, experiment, "the embedded default + flags")
     lr, warmup, why = size_rule(config.model)
     experiment["training"]["lr"] = lr
-    if warmup is not None and "warmup_steps" not in training:
+    if "warmup_steps" not in training:
         experiment["training"]["warmup_steps"] = warmup
     logger.info(
         "learning rate %.3g, warm-up %d steps: %s moved the embedded default, and the size rule gives %s "

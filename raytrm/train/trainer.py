@@ -421,10 +421,10 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # The norm before clipping is the one clipping computes anyway; without clipping, one read of the gradients.
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if train.grad_clip:
             self._grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip)
         else:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             self._grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
         watched = [p.detach() for p in self.model.parameters() if p.grad is not None] if self.watch_update else []
         before = torch._foreach_mul(watched, 1.0) if watched else None
@@ -569,5 +569,5 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> 
                     continue
                 if key != "step" and tensor and value.shape == param.shape:
                     continue
-                what = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                what = tuple(value.shape) if tensor else type(value).__name__
                 raise ValueError(f"optimizer state {key!r} of a {tuple(param.shape)} parameter: got {what}")
