@@ -6,8 +6,9 @@ the run directory on every node), then starts a TorchTrainer whose workers each 
 threads, memory budget, thermal cap) from the profile of its node's tier, or from its tier's defaults; the learning
 settings are the same everywhere. Rank 0 writes the run directory, which every node must reach at the same path.
 
-A lost worker: Ray Train's FailureConfig restarts the group, and the restarted workers resume from the run
-directory's latest checkpoint: resume is exact, so the restart changes nothing but the time it costs.
+A lost worker: the group restarts (on one machine Ray Train's FailureConfig restarts it; on a cluster the driver
+does, on the Macs still there), and the restarted workers resume from the run directory's latest checkpoint:
+resume is exact, so the restart changes nothing but the time it costs.
 """
 
 from __future__ import annotations
@@ -213,12 +214,50 @@ def train_distributed(
             ray.shutdown()
 
 
-def _elastic(count: int) -> int | tuple[int, int]:
-    """On a cluster, a group that loses a Mac restarts on the machines left (resume works on any worker count)."""
-    return (1, count) if count > 1 else count
-
-
 def _fit(job: dict, count: int, on_cluster: bool, nodes: Sequence[Node], run_dir: Path, max_failures: int) -> None:
+    """Train to the end, restarting a failed group up to max_failures times.
+
+    On a cluster the driver restarts it, on the machines alive then: a Mac that left for good is gone from the
+    cluster's nodes at once, whereas Ray Train's elastic restart would first ask for the group's old size and wait
+    out its worker-group start timeout (60 s) for it.
+    """
+    from ray.train import TrainingFailedError
+
+    if not on_cluster:
+        _fit_group(job, count, on_cluster, nodes, run_dir, max_failures)
+        return
+    for restarts in range(max_failures + 1):
+        try:
+            _fit_group(job, count, on_cluster, nodes, run_dir, 0)
+            return
+        except TrainingFailedError as error:
+            left = 0 if restarts == max_failures else len(raytrm_nodes())
+            if not left:
+                raise
+            logger.warning(
+                "the group of %d worker(s) failed (%s); restarting it on the %d machine(s) left, from the last "
+                "checkpoint",
+                count,
+                _why_failed(error),
+                min(count, left),
+            )
+            count = min(count, left)
+
+
+def _why_failed(error: Exception) -> str:
+    """A failed group's cause in a few words: a worker's machine that left, else the first worker's first line."""
+    failures = [*getattr(error, "worker_failures", {}).values()] or [error]
+    texts = [str(failure) for failure in failures]
+    if any("node has died" in text for text in texts):
+        return "a worker's machine left the cluster"
+    lines = [line.strip() for line in texts[0].splitlines() if line.strip()]
+    return lines[0] if lines else type(failures[0]).__name__
+
+
+def _fit_group(
+    job: dict, count: int, on_cluster: bool, nodes: Sequence[Node], run_dir: Path, max_failures: int
+) -> None:
+    """One TorchTrainer of `count` workers; Ray Train restarts it up to max_failures times."""
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -236,9 +275,7 @@ def _fit(job: dict, count: int, on_cluster: bool, nodes: Sequence[Node], run_dir
         _worker_loop,
         train_loop_config=job,
         torch_config=TorchConfig(backend=backend),
-        scaling_config=ScalingConfig(
-            num_workers=_elastic(count) if on_cluster else count, use_gpu=use_gpu, resources_per_worker=resources
-        ),
+        scaling_config=ScalingConfig(num_workers=count, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
             name=f"train-{uuid.uuid4().hex[:8]}",
             storage_path=str((run_dir / "ray").resolve()),
