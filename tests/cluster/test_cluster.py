@@ -210,7 +210,7 @@ def test_a_worker_lost_mid_tune_is_recorded_and_the_study_finishes_on_the_head(h
     """Stops the worker's node while its trial runs: runs last in this module, since it leaves the head alone."""
     a, b = hosts["a"], hosts["b"]
     # A window long enough that the stop lands inside it (trials report progress every 5 s).
-    space = {**SPACE, "name": "node-loss", "trials": 2, "budget": {"warmup_s": 1, "measure_s": 25, "eval_puzzles": 16}}
+    space = {**SPACE, "name": "node-loss", "budget": {"warmup_s": 1, "measure_s": 20, "eval_puzzles": 16}}
     path = tmp_path / "space.yaml"
     path.write_text(yaml.safe_dump(space))
     out = a.root / "runs" / "node-loss"
@@ -252,5 +252,5 @@ def test_a_worker_lost_mid_tune_is_recorded_and_the_study_finishes_on_the_head(h
     attrs = lost[0].user_attrs
     assert attrs["status"] == "failed" and attrs["samples_per_sec"] > 0 and attrs["node_address"] == b.ip
     head = optuna.load_study(study_name=f"node-loss-{HEAD_TIER}", storage=storage).trials
-    assert [t.user_attrs["status"] for t in head] == ["ok", "ok"]
+    assert [t.user_attrs["status"] for t in head] == ["ok"]
     assert cfg.load_profile(out / "profiles" / f"{HEAD_TIER}.yaml").tier == HEAD_TIER
