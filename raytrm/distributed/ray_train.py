@@ -398,9 +398,8 @@ def _worker_loop(job: dict) -> None:
     resume = job["resume"] or bool(sync.broadcast_object(found))
     logger.info("worker %d on tier %s: share %d of %d", rank, tier, shares[rank], global_batch)
 
-    def report(step: int, path: Path | None) -> None:
-        ray.train.report({"step": step, "checkpoint": str(path) if path else None})
-
+    # Nothing is reported to Ray Train: the run directory holds the checkpoints and metrics, and a report blocks
+    # every worker (it is collective) until Ray's controller takes the report before, which it polls every 2 s.
     run_training(
         config,
         run_dir,
@@ -409,5 +408,4 @@ def _worker_loop(job: dict) -> None:
         sync=sync,
         shares=shares,
         balance=job["balance"],
-        on_checkpoint=report,
     )
