@@ -237,7 +237,7 @@ def test_real_budget_is_used_and_respected(sudoku_dir, tmp_path):
     config = {
         "model": {"hidden_size": 128, "L_layers": 2, "H_cycles": 2, "L_cycles": 3, "halt_max_steps": 2},
         "data": {"path": str(sudoku_dir)},
-        "training": {"global_batch_size": 256, "steps": 5, "memory_budget_mb": budget_mb, "threads": 2},
+        "training": {"global_batch_size": 256, "steps": 6, "memory_budget_mb": budget_mb, "threads": 2},
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     argv = [sys.executable, "-m", "raytrm.cli", "train", "--config", str(tmp_path / "config.yaml")]
