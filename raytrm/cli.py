@@ -332,8 +332,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if "link" in args.parts:
             link.refuse_unless_possible()
         with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
+            compile_mode = args.compile or "auto"  # the scaling rows compile as training does
             dist_rows = (
-                distributed.run(parts, device, args.batch, args.slowdown, args.repeats, args.workers, Path(work))
+                distributed.run(
+                    parts, device, args.batch, args.slowdown, args.repeats, args.workers, Path(work), compile_mode
+                )
                 if parts
                 else []
             )
@@ -371,7 +374,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 args.repeats,
                 args.dtype,
                 reference=args.nanogpt,
-                compile_mode=args.compile,
+                compile_mode=args.compile or "off",
             )
         print(transformer.format_rows(tf_rows))
         results = transformer.as_json(tf_rows)
@@ -390,7 +393,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 repeats=args.repeats,
                 dtype=args.dtype,
                 reference=Path(args.reference) if args.reference else None,
-                compile_mode=args.compile,
+                compile_mode=args.compile or "off",
                 breakdowns=breakdowns,
             )
         print(format_rows(trm_rows))
@@ -577,11 +580,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         nargs="?",
         const="on",
-        default="off",
+        default=None,
         choices=("off", "on", "cudagraphs", "auto"),
         help="trm and transformer: compile raytrm's step (training.compile; cudagraphs adds CUDA graphs; auto is what "
         "training does by default: eager on a CPU) and, where raytrm's step compiles, the reference's model "
-        "(torch.compile, as TRM's pretrain.py and nanoGPT's compile=True do); default: both eager",
+        "(torch.compile, as TRM's pretrain.py and nanoGPT's compile=True do); default: both eager. distributed "
+        "scaling: its rows' training.compile; default auto, as training",
     )
     p.add_argument(
         "--breakdown",

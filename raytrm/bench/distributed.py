@@ -10,7 +10,8 @@
 - overlap: two workers training the byte-level LM with the gradient all-reduce overlapped with the last backward,
   against summed after it, alternated: step time, the sync time left after the backward, and the fraction of the
   gradient bytes that started during it.
-- scaling (`--device cuda --workers 1 2`): samples/s at the reference TRM config on one GPU and on two (NCCL).
+- scaling (`--device cuda --workers 1 2`): samples/s at the reference TRM config, compiled as training compiles
+  it, in one process with no process group (the plain Trainer), then as 1, 2, ... workers (NCCL), each against it.
 - modes: the quality each sync mode reaches at equal samples, two workers, over seeds (in raytrm.bench.modes).
 
 The worker processes are plain torch.distributed processes (raytrm.distributed.launch) running the same Trainer,
@@ -70,10 +71,13 @@ def timed_steps(
     slow: tuple[int, float] | None = None,
     overlap: bool = True,
 ) -> dict[str, Any] | None:
-    """One worker: warm-up steps (the balancer settles there), then timed steps; rank 0 reports medians."""
+    """One worker: warm-up steps (the balancer settles there), then timed steps; rank 0 reports medians. A worker
+    of a process group syncs through it (one alone too: the distributed path), a process without one is the plain
+    Trainer."""
     if slow is not None and slow[0] == rank:
         slow_down(slow[1])
-    sync = ProcessGroupSync(device, overlap=overlap) if world_size > 1 else LocalSync()
+    grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+    sync = ProcessGroupSync(device, overlap=overlap) if grouped else LocalSync()
     trainer = Trainer(config, sync=sync)
     peers = Peers(trainer, balance=balance)
     times, compute, syncs, overlapped = [], [], [], []
@@ -286,28 +290,36 @@ def small_lm(work_dir: Path, device: str, batch: int) -> cfg.ExperimentConfig:
     return cfg.from_dict(cfg.ExperimentConfig, {"model": model, "data": data, "training": training})
 
 
-def bench_scaling(config: cfg.ExperimentConfig, counts: list[int], steps: int) -> list[Row]:
-    """samples/s at a fixed per-worker batch on 1, 2, ... devices (weak scaling), against one device."""
+def bench_scaling(config: cfg.ExperimentConfig, counts: list[int], steps: int, warmup: int = 5) -> list[Row]:
+    """samples/s at a fixed per-worker batch: the plain Trainer in this process (no process group), then 1, 2, ...
+    workers of one process group, a device each (weak scaling), each row's ratio against the plain Trainer's."""
     per_worker = config.training.global_batch_size
-    rows: list[Row] = []
+    device = devices.pick_device(config.training.device)
+    alone = timed_steps(0, 1, device, config, steps, warmup)
+    assert alone is not None
+    devices.empty_cache(device)  # the workers' devices include this one
+    compiled = f"compile {config.training.compile}"
+    plain = f"1 process, plain Trainer ({device.type})"
+    rate = alone["samples_per_sec"]
+    rows = [Row("scaling", plain, 1, per_worker, rate, alone["step_s"], 0.0, alone["shares"], 1.0, compiled)]
     for n in counts:
         scaled = cfg.from_dict(
             cfg.ExperimentConfig,
             {**cfg.to_dict(config), "training": {**cfg.to_dict(config.training), "global_batch_size": per_worker * n}},
         )
-        run = _run(scaled, n, steps, 3)
-        base = rows[0].samples_per_sec / rows[0].workers if rows else None
+        run = _run(scaled, n, steps, warmup)
         rows.append(
             Row(
                 "scaling",
-                f"{n} x {config.training.device}",
+                f"{n} x {device.type} worker{'s' if n > 1 else ''} (process group)",
                 n,
                 per_worker * n,
                 run["samples_per_sec"],
                 run["step_s"],
                 run["sync_s"],
                 run["shares"],
-                ratio=run["samples_per_sec"] / base if base else 1.0,
+                ratio=run["samples_per_sec"] / rate,
+                note=f"{compiled}; compute {run['compute_s']:.4f} s a step",
             )
         )
     return rows
@@ -355,8 +367,10 @@ def run(
     repeats: int,
     workers: list[int],
     work_dir: Path,
+    compile_mode: str = "auto",
 ) -> list[Row]:
-    """The parts asked for, in order; see the module docstring."""
+    """The parts asked for, in order; see the module docstring. compile_mode: the scaling rows' training.compile
+    (auto: as training compiles)."""
     from raytrm.bench.timing import median_seconds
     from raytrm.bench.trm import reference_experiment
 
@@ -378,5 +392,6 @@ def run(
         with caches_in(work_dir / "cache"):
             rows += bench_overlap(small_lm(work_dir, device, batch), max(2, max(workers)), 6, repeats)
     if "scaling" in parts:
-        rows += bench_scaling(reference_experiment("mlp_t", 512, batch, None, device, data_dir, "auto"), workers, 10)
+        scaling = reference_experiment("mlp_t", 512, batch, None, device, data_dir, "auto", compile_mode)
+        rows += bench_scaling(scaling, workers, steps=20)
     return rows

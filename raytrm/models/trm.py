@@ -209,6 +209,13 @@ class TRM(nn.Module):
         steps keep them eager."""
         return ("_round", *self.EDGES) if self.z_H_init.device.type == devices.CUDA else ("_round",)
 
+    @property
+    def batch_dims(self) -> dict[str, tuple[int | None, ...]]:
+        """Where each region's positional arguments hold the micro-batch (None: nowhere), for
+        raytrm.train.compile: the carry's layout is batch-first, the step's states are positions-first for mlp_t."""
+        step = 1 if self.positions_first else 0
+        return {"_round": (step, step, step, None), "_start": (0,) * 9, "_finish": (step, step)}
+
     def num_parameters(self) -> int:
         """Parameters as the reference counts them: the puzzle-embedding table is a buffer, so it is excluded."""
         return sum(p.numel() for p in self.parameters())

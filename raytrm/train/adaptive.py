@@ -8,8 +8,9 @@ step, refitting on each step's peak: the last move extrapolates from a cut at le
 governor holds instead: it probes two smaller cuts of the asked micro-batch, fits, and then keeps the asked one,
 whose predicted peak the trial checks against the budget. Given the cuts and peaks an earlier run of the same
 model measured on this machine (`known_points`), it skips the probe and the approach and starts at the cut their fit
-chooses: on a GPU each new cut is compiled anew, so the walk up to it is most of a run's warm-up. Decisions are pure
-functions of what it is told (step peaks, pressure, out-of-memory errors, known points), so tests script them.
+chooses: on a GPU the walk's small cuts make slow steps and the first step at each new cut records CUDA graphs for its
+shape. Decisions are pure functions of what it is told (step peaks, pressure, out-of-memory errors, known points), so
+tests script them.
 """
 
 from __future__ import annotations

@@ -106,6 +106,12 @@ class Compiled:
     in_graph_memory: the region hands them on in the graphs' memory instead (a model's `graph_outputs_in_place`,
     TRM's round): CUDA graph trees record each call of a step as a graph of its own, which reads the call before's
     outputs where they were written; the model copies out what outlives the step.
+
+    batch_dims: the dimension of each positional argument that holds the micro-batch (None: none), marked dynamic
+    at every call. The first call then traces the graph every micro-batch size runs, so a run that starts at its
+    final size (the memory governor's kept fit) compiles what a run that walked up to it did, and finds it in the
+    compile caches; left to dynamo, the batch turns dynamic only at the second size seen, and a run that never sees
+    a second one compiles a static graph under another key.
     """
 
     def __init__(
@@ -115,14 +121,17 @@ class Compiled:
         what: str,
         clone_outputs: bool = False,
         in_graph_memory: bool = False,
+        batch_dims: tuple[int | None, ...] = (),
     ) -> None:
         self.eager, self.compiled, self.what, self.clone_outputs = eager, compiled, what, clone_outputs
-        self.in_graph_memory = in_graph_memory
+        self.in_graph_memory, self.batch_dims = in_graph_memory, batch_dims
         self.failed: str | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.failed is None:
             try:
+                if self.batch_dims:
+                    _mark_batch(args, self.batch_dims)
                 out = self.compiled(*args, **kwargs)
                 if self.clone_outputs:
                     import torch
@@ -164,6 +173,7 @@ def compile_regions(
 
     A region is a method the model names in `compile_regions` (TRM: `_round`); the instance's attribute then
     shadows the method, so the model's code calls the compiled form unchanged. compiler defaults to torch.compile.
+    Where the model names a region's `batch_dims`, its batch is dynamic from the first call (Compiled).
     CUDA graphs, where the plan has them, record the regions `graph_regions` picks; their outputs are copied out of
     the graphs' memory, but for the regions the model names in `graph_outputs_in_place` (Compiled).
     """
@@ -185,6 +195,7 @@ def compile_regions(
             if p.requires_grad:
                 p.register_hook(_own_memory)
     in_place = getattr(model, "graph_outputs_in_place", ())
+    batch_dims = getattr(model, "batch_dims", {})
     for name in names:
         eager = getattr(model, name)
         graphs = name in graphed
@@ -192,10 +203,22 @@ def compile_regions(
         what = f"{type(model).__name__}.{name}"
         kept = graphs and name in in_place
         compiled = compiler(eager, **kwargs)
-        setattr(model, name, Compiled(eager, compiled, what, clone_outputs=graphs and not kept, in_graph_memory=kept))
+        dims = batch_dims.get(name, ())
+        region = Compiled(eager, compiled, what, graphs and not kept, in_graph_memory=kept, batch_dims=dims)
+        setattr(model, name, region)
     if graphed:
         model.forward = _new_graph_step(model.forward)
     return names
+
+
+def _mark_batch(args: tuple[Any, ...], dims: tuple[int | None, ...]) -> None:
+    """Mark the batch dimension of a region's tensor arguments dynamic for dynamo (a hint: it stays static where
+    the region's code fixes it, as for a size of 1)."""
+    import torch
+
+    for arg, dim in zip(args, dims, strict=False):
+        if dim is not None and isinstance(arg, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(arg, dim)
 
 
 def graph_regions(model: Any, names: list[str], plan: CompilePlan) -> list[str]:

@@ -235,9 +235,7 @@ class Trainer:
         same state (TRM's carry), so nothing is lost or doubled.
         """
         start = time.perf_counter()
-        sums = self._forward_backward(batch, on_out_of_memory)
-        if batch is None:
-            self._prefetch()  # while the device runs the backward (the sparse optimizer below waits for it)
+        sums = self._forward_backward(batch, on_out_of_memory, prefetch=batch is None)
         self.optimizer_step()
         # Alone, the host queues the forward, backward and optimizer step back to back and reads their results here,
         # once (with several workers, summing the gradients waited already).
@@ -283,9 +281,14 @@ class Trainer:
         return floats[0], dict(zip(keys, floats[1:], strict=True))
 
     def _forward_backward(
-        self, batch: dict[str, torch.Tensor] | None, on_out_of_memory: Callable[[int], int] | None
+        self,
+        batch: dict[str, torch.Tensor] | None,
+        on_out_of_memory: Callable[[int], int] | None,
+        prefetch: bool = False,
     ) -> tuple[Scalar, dict[str, Scalar]]:
-        """forward_backward without reading its results: the loss and metric sums, on the device alone."""
+        """forward_backward without reading its results: the loss and metric sums, on the device alone. prefetch:
+        gather the next global batch once the backward is queued, while the device runs it (before the workers'
+        sums, which wait for the device)."""
         batch = self._next_global_batch() if batch is None else batch
         batch = {k: rows(v, self.shard).to(self.device, non_blocking=True) for k, v in batch.items()}
         self._sample_bytes = sum(math.prod(v.shape[1:]) * v.element_size() for v in batch.values() if v.dim() > 0)
@@ -310,6 +313,8 @@ class Trainer:
                 redone = True
                 self._discard_partial_step(saved)
                 self.set_micro_batch(on_out_of_memory(self.step))
+        if prefetch:
+            self._prefetch()
         if self.sync.world_size > 1:
             devices.synchronize_compute(self.device)  # the balancer compares workers' compute times: count queued work
             self.last_compute_s = time.perf_counter() - start

@@ -298,3 +298,61 @@ def test_compiled_artifacts_persist_under_the_cache_dir_unless_the_environment_s
     settings = use_compile_caches()
     assert settings[INDUCTOR_CACHE_DIR_ENV] == str(tmp_path / "compile" / "inductor")
     assert settings[TRITON_CACHE_DIR_ENV] == "/elsewhere/triton"  # the user's setting stands
+
+
+@pytest.mark.parametrize("variant", ["attention", "mlp_t"])
+def test_trm_names_where_each_region_holds_the_micro_batch(variant):
+    from raytrm.config import ModelConfig
+    from raytrm.models import TRM
+
+    model = TRM(ModelConfig(variant=variant, hidden_size=16, num_heads=2, L_layers=1), vocab_size=11, seq_len=9)
+    seen: dict[str, tuple] = {}
+    for name in ("_round", *TRM.EDGES):
+        region = getattr(model, name)
+        setattr(model, name, lambda *args, name=name, region=region: seen.setdefault(name, args) and region(*args))
+    batch = 5  # a size no other dimension has
+    inputs = torch.randint(0, 11, (batch, 9))
+    data = {"inputs": inputs, "labels": inputs, "puzzle_identifiers": torch.zeros(batch, dtype=torch.int32)}
+    model(model.initial_carry(data), data)
+    assert set(model.batch_dims) == set(seen)
+    for name, args in seen.items():
+        dims = model.batch_dims[name]
+        assert len(dims) == len(args), name
+        for arg, dim in zip(args, dims, strict=True):
+            tensors = [arg] if isinstance(arg, torch.Tensor) else [t for t in arg or () if isinstance(t, torch.Tensor)]
+            if dim is None:
+                assert all(batch not in t.shape for t in tensors), name
+            else:
+                assert tensors[0].shape[dim] == batch and list(tensors[0].shape).count(batch) == 1, name
+
+
+@pytest.mark.parametrize("variant", ["attention", "mlp_t"])
+def test_a_trm_round_traces_one_graph_for_every_micro_batch_with_the_batch_dynamic_from_the_first(variant):
+    # The memory governor walks the micro-batch up through several sizes, and a second run starts at the last one:
+    # both must trace the same graphs, dynamic in the batch, or the second finds nothing in the compile caches.
+    from raytrm.config import ModelConfig
+    from raytrm.models import TRM
+
+    torch._dynamo.reset()
+    config = ModelConfig(variant=variant, hidden_size=16, num_heads=2, L_layers=1, H_cycles=2, L_cycles=1)
+    model = TRM(config, vocab_size=11, seq_len=9).train()
+    traced: list[list[object]] = []
+
+    def backend(graph, example_inputs):
+        inputs = [node.meta.get("example_value") for node in graph.graph.find_nodes(op="placeholder")]
+        states = [t for t in inputs if isinstance(t, torch.Tensor) and t.dim() == 3]
+        traced.append([t.shape[model.batch_dims["_round"][0]] for t in states])
+        return graph.forward
+
+    def compiler(fn, **kwargs):
+        return torch.compile(fn, backend=backend)
+
+    assert compile_regions(model, CompilePlan("test", None, "test"), compiler=compiler) == ["_round"]
+    for batch in (4, 8, 24):
+        inputs = torch.randint(0, 11, (batch, 9))
+        data = {"inputs": inputs, "labels": inputs, "puzzle_identifiers": torch.zeros(batch, dtype=torch.int32)}
+        model(model.initial_carry(data), data)
+    # The no-grad rounds and the back-propagated last one: two graphs, at the first size, for all three sizes.
+    assert len(traced) == 2
+    assert all(sizes and all(isinstance(size, torch.SymInt) for size in sizes) for sizes in traced), traced
+    assert model._round.failed is None
