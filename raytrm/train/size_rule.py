@@ -3,15 +3,22 @@ to another width, depth or batch, unless --lr is given.
 
 Each family's embedded default was tuned at one width (its anchor). Adam moves every weight by about lr a step
 whatever its gradient's scale, so a layer n inputs wide moves its outputs more per step the wider it is: a wider
-model at the anchor's lr takes larger steps, and past some width (with TRM's deeper recursion) lands on the plateau
-where it predicts the labels' frequencies whatever its input. The rule scales lr as 1/sqrt(width) from the anchor,
-never above the anchor's lr, and keeps the anchor's warm-up; depth and batch leave it alone. docs/performance.md has
-the table it was chosen from, and the runs it was checked against.
+model at the anchor's lr takes larger steps, and past some width lands on the plateau where it predicts the labels'
+frequencies whatever its input. How fast lr must fall with width depends on the block's mixer:
+
+- TRM-attention: lr as 1/width, as muP scales Adam's lr for hidden matrices. At 1/sqrt(width) the widest default
+  measured (512) had only just left the plateau after 60 steps; from 1/width up to about twice it, it learns there,
+  and 1/width, the low end, is where its loss fell without the spikes seen above it.
+- TRM-MLP: the anchor's lr at every width. An MLP across positions learned at the anchor's lr at every width
+  measured (up to 8 times the anchor's), and more there than at 1/sqrt(width)'s lower lr.
+- transformer: lr as 1/sqrt(width).
+
+lr never goes above the anchor's, and the warm-up stays the anchor's; depth and batch leave both alone.
+docs/performance.md has the table the rule was chosen from, and the runs it was checked against.
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 from raytrm import config as cfg
@@ -27,11 +34,27 @@ class Anchor(NamedTuple):
 
 ANCHORS = {"trm": Anchor(64, 3e-3, 20), "transformer": Anchor(128, 2e-3, 50)}
 
+#: How lr falls with width, by family (and TRM variant): lr = anchor lr x (anchor width / width) ** exponent.
+EXPONENTS = {"trm/attention": 1.0, "trm/mlp_t": 0.0, "transformer": 0.5}
+
+
+def _kind(model: cfg.ModelConfig) -> str:
+    return f"trm/{model.variant}" if model.name == "trm" else model.name
+
 
 def size_rule(model: cfg.ModelConfig) -> tuple[float, int, str]:
-    """(lr, warm-up steps, the rule in words) for a model of this family and width."""
+    """(lr, warm-up steps, the rule in words) for a model of this family, variant and width."""
     anchor = ANCHORS[model.name]
-    width = model.hidden_size
-    lr = anchor.lr * min(1.0, math.sqrt(anchor.width / width))
-    rule = f"{anchor.lr:g} x sqrt({anchor.width}/{width})" if width > anchor.width else f"{anchor.lr:g}, the default's"
+    kind, width = _kind(model), model.hidden_size
+    exponent = EXPONENTS[kind]
+    lr = anchor.lr * min(1.0, (anchor.width / width) ** exponent)
+    if exponent and width > anchor.width:
+        scale = {1.0: f"{anchor.width}/{width}", 0.5: f"sqrt({anchor.width}/{width})"}.get(
+            exponent, f"({anchor.width}/{width})^{exponent:g}"
+        )
+        rule = f"{anchor.lr:g} x {scale} for {kind}"
+    elif exponent:
+        rule = f"{anchor.lr:g}, the default's (never above it)"
+    else:
+        rule = f"{anchor.lr:g}, the default's, at every width for {kind}"
     return lr, anchor.warmup_steps, f"{rule}, warm-up {anchor.warmup_steps} steps"

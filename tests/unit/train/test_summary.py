@@ -95,7 +95,11 @@ def test_the_size_rule_sets_lr_when_flags_move_the_default(caplog):
     anchor = ANCHORS["trm"]
     with caplog.at_level(logging.INFO, logger="raytrm.train.defaults"):
         wide, _ = resolve_experiment(
-            config_file=None, profile_file=None, out=None, resume=False, overrides={"model": {"hidden_size": 512}}
+            config_file=None,
+            profile_file=None,
+            out=None,
+            resume=False,
+            overrides={"model": {"hidden_size": 512, "variant": "attention"}},
         )
     lr, warmup, _ = size_rule(wide.model)
     assert wide.training.lr == lr < anchor.lr and wide.training.warmup_steps == warmup
