@@ -99,6 +99,7 @@ def bench_modes(
 
     names = variants(every)
     seed_list = list(range(first_seed, first_seed + seeds))
+    span = f"seed {first_seed}" if seeds == 1 else f"seeds {first_seed}-{seed_list[-1]}"
     dataset_dir_for(quick_experiment(0, samples, {}).data)  # once, before two workers race to build it
     found: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in names}
     for seed in seed_list:
@@ -125,7 +126,7 @@ def bench_modes(
             list(runs[0].get("shares", [])),
             note=f"cell acc {statistics.mean(accuracy):.4f} ({', '.join(f'{a:.4f}' for a in accuracy)}); "
             f"gap to exact {statistics.mean(gaps):+.4f} (worst {min(gaps):+.4f}) at {runs[0]['samples_seen']} samples, "
-            f"seeds {seed_list[0]}-{seed_list[-1]}",
+            + span,
             seeds=seed_list,
             accuracy=accuracy,
             gap=statistics.mean(gaps),
