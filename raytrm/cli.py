@@ -341,7 +341,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 else []
             )
             if "modes" in args.parts:
-                dist_rows += modes.run(Path(work), args.every, args.repeats, args.samples, device)
+                dist_rows += modes.run(Path(work), args.every, args.repeats, args.samples, device, args.first_seed)
             shaped = None
             if "link" in args.parts:
                 models, steps, rounds = args.link_models, args.link_steps, args.link_rounds
@@ -614,6 +614,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--samples", type=int, default=None, help="distributed modes: samples each run trains (default 16000)"
+    )
+    p.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="distributed modes: the first training seed (seeds N .. N + --repeats - 1), to run seeds side by side in "
+        "separate processes",
     )
     p.add_argument(
         "--link-rates",

@@ -5,8 +5,9 @@ never what they teach) train the quick space's model (tune_spaces/quick.yaml's b
 test puzzles) for the same number of samples in each mode: exact sync, compressed, and local rounds for each H
 asked, with plain averaging (outer lr 1, no momentum), with DiLoCo's outer Nesterov (lr 0.7, momentum 0.9), and
 with plain averaging whose exchange lands one step late (the overlapped round). Every variant runs the same
-training seeds; a row gives each seed's eval cell accuracy, the mean, and the gap to exact sync paired by seed (its
-mean, and the worst seed's). Shares stay equal, so a seed's run does not depend on timing.
+training seeds, from a first seed on (so seeds can run side by side in separate processes); a row gives each seed's
+eval cell accuracy, the mean, and the gap to exact sync paired by seed (its mean, and the worst seed's). Shares stay
+equal, so a seed's run does not depend on timing.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ METRIC = "eval_cell_acc"
 class ModeRow(Row):
     """A variant's quality at equal samples, over seeds, beside exact sync's."""
 
+    seeds: list[int] = dataclasses.field(default_factory=list)
     accuracy: list[float] = dataclasses.field(default_factory=list)
     gap: float | None = None  # mean over seeds of (this variant - exact), paired by seed
     worst_gap: float | None = None
@@ -73,22 +75,34 @@ def _worker(rank: int, world_size: int, device: Any, config: cfg.ExperimentConfi
     return summary if rank == 0 else None
 
 
-def run(work_dir: Path, every: list[int] | None, seeds: int, samples: int | None, device: str = "cpu") -> list[ModeRow]:
+def run(
+    work_dir: Path,
+    every: list[int] | None,
+    seeds: int,
+    samples: int | None,
+    device: str = "cpu",
+    first_seed: int = 0,
+) -> list[ModeRow]:
     """The modes part of `raytrm bench distributed`, its data kept in the work directory."""
     from raytrm.bench.transformer import caches_in
 
     with caches_in(work_dir / "cache"):
-        return bench_modes(work_dir / "modes", list(every or EVERY), seeds, samples or SAMPLES, device)
+        return bench_modes(work_dir / "modes", list(every or EVERY), seeds, samples or SAMPLES, device, first_seed)
 
 
-def bench_modes(work_dir: Path, every: list[int], seeds: int, samples: int, device: str = "cpu") -> list[ModeRow]:
-    """Every variant at every seed (seed-major, so a partial run has whole seeds), then a row per variant."""
+def bench_modes(
+    work_dir: Path, every: list[int], seeds: int, samples: int, device: str = "cpu", first_seed: int = 0
+) -> list[ModeRow]:
+    """Every variant at seeds first_seed .. first_seed + seeds - 1, seed-major (a partial run has whole seeds), then
+    a row per variant."""
     from raytrm.data.cache import dataset_dir_for
 
     names = variants(every)
+    seed_list = list(range(first_seed, first_seed + seeds))
+    span = f"seed {first_seed}" if seeds == 1 else f"seeds {first_seed}-{seed_list[-1]}"
     dataset_dir_for(quick_experiment(0, samples, {}).data)  # once, before two workers race to build it
     found: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in names}
-    for seed in range(seeds):
+    for seed in seed_list:
         for k, (name, settings) in enumerate(names):
             config = quick_experiment(seed, samples, {**settings, "device": device})
             found[name].append(spawn(_worker, 2, config, str(work_dir / f"seed{seed}-{k}"), device=device)[0])
@@ -111,7 +125,9 @@ def bench_modes(work_dir: Path, every: list[int], seeds: int, samples: int, devi
             statistics.median((s.get("sync_share") or {}).get("run", 0.0) for s in runs) * batch / rate,
             list(runs[0].get("shares", [])),
             note=f"cell acc {statistics.mean(accuracy):.4f} ({', '.join(f'{a:.4f}' for a in accuracy)}); "
-            f"gap to exact {statistics.mean(gaps):+.4f} (worst {min(gaps):+.4f}) at {runs[0]['samples_seen']} samples",
+            f"gap to exact {statistics.mean(gaps):+.4f} (worst {min(gaps):+.4f}) at {runs[0]['samples_seen']} samples, "
+            + span,
+            seeds=seed_list,
             accuracy=accuracy,
             gap=statistics.mean(gaps),
             worst_gap=min(gaps),
