@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -268,9 +270,30 @@ def _node() -> dict[str, str | None]:
     return {"node_id": None, "node_address": None}
 
 
+class ExitRequests:
+    """A trial process's sys.unraisablehook: Tune stops a finished trial's process with SIGTERM, whose handler (Ray's)
+    raises SystemExit wherever the main thread is; raised inside a finalizer, that exit is printed as "Exception
+    ignored in ..." with a traceback, into the job's output, and lost. Here it is carried out; anything else goes
+    to the hook before."""
+
+    def __init__(self, before: Callable[[Any], None]) -> None:
+        self.before = before
+
+    def __call__(self, unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, SystemExit):
+            code = unraisable.exc_value.code
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code if isinstance(code, int) else 1)
+        self.before(unraisable)
+
+
 def tune_trainable(config: dict[str, Any], setup: dict[str, Any]) -> None:
     """The Ray Tune function trainable: one trial, one report, and a copy of the result in the run directory."""
     from ray import tune
+
+    if not isinstance(sys.unraisablehook, ExitRequests):
+        sys.unraisablehook = ExitRequests(sys.unraisablehook)
 
     # Intermediate evaluations go out only where a pruner reads them; the Tune stopper may end the trial at one.
     # Progress always goes out: if this trial's machine leaves the cluster, its last report is what is recorded.

@@ -106,3 +106,33 @@ def test_a_horizon_in_minutes_is_training_time_without_the_evaluations(monkeypat
     assert [p["samples"] for p in result["curve"]] == [6 * 32, 18 * 32] and result["steps"] == 18
     # The window runs from the end of the 0.2 s warm-up to the horizon.
     assert result["measure_seconds"] == pytest.approx(1.6)
+
+
+# A finalizer raises what Ray's SIGTERM handler raises when the signal lands while it runs, or another error.
+UNRAISABLE = """
+import sys, weakref
+from raytrm.tune.trial import ExitRequests
+sys.unraisablehook = ExitRequests(sys.unraisablehook)
+class Thing: pass
+def finalizer(_):
+    raise {error}
+thing = Thing()
+ref = weakref.ref(thing, finalizer)
+del thing
+print("went on", flush=True)
+"""
+
+
+def test_an_exit_raised_in_a_finalizer_exits_quietly_and_other_errors_still_print():
+    import subprocess
+    import sys
+
+    def run(error: str) -> subprocess.CompletedProcess:
+        code = UNRAISABLE.format(error=error)
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+    stopped = run("SystemExit(3)")
+    assert (stopped.returncode, stopped.stdout, stopped.stderr) == (3, "", "")
+    other = run("ValueError('kept')")
+    assert other.returncode == 0 and other.stdout == "went on\n"
+    assert "Exception ignored" in other.stderr and "ValueError: kept" in other.stderr
