@@ -147,7 +147,7 @@ def test_resume_after_the_driver_is_killed(ray_cluster, tmp_path):
     import ray
 
     run = tmp_path / "run"
-    path = space_file(tmp_path, "resume", trials=4)
+    path = space_file(tmp_path, "resume", trials=3)
     address = ray.get_runtime_context().gcs_address
     log = tmp_path / "driver.log"
     with log.open("w") as out:
@@ -163,23 +163,23 @@ def test_resume_after_the_driver_is_killed(ray_cluster, tmp_path):
         while time.monotonic() < deadline:
             if (run / STUDY_DB).exists():
                 try:
-                    if len(complete(study(run, name))) >= 2:
+                    if complete(study(run, name)):
                         break
                 except KeyError:  # the study is not created yet
                     pass
             assert driver.poll() is None, "the driver ended before it was killed:\n" + log.read_text()[-3000:]
             time.sleep(0.5)
         else:
-            pytest.fail("two trials did not complete in time")
+            pytest.fail("no trial completed in time")
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
     before = {t.number: (t.params, t.values) for t in complete(study(run, name))}
-    assert 2 <= len(before) < 4
+    assert 1 <= len(before) < 3
     run_tune(resume=str(run), stream=io.StringIO())
     after = complete(study(run, name))
-    assert len(after) == 4
+    assert len(after) == 3
     assert {t.number: (t.params, t.values) for t in after if t.number in before} == before  # kept, not rerun
     all_trials = study(run, name).trials
     assert all(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) for t in all_trials)
