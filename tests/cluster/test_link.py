@@ -36,13 +36,13 @@ def namespaces() -> set[str]:
 
 
 def test_the_link_part_trains_on_its_own_pair_and_removes_it(pair, tmp_path, monkeypatch, capsys):
-    """A small TRM (hidden 64: 0.4M parameters) unshaped and at 20 Mbit/s, exact sync; the pair fixture only
-    proves this machine can make hosts."""
+    """A small TRM (hidden 64: 0.4M parameters) at 20 Mbit/s, exact sync, on a pair the bench makes and removes; the
+    pair fixture only proves this machine can make hosts (the ratios against unshaped runs: tests/unit/bench)."""
     before = namespaces()
     small = functools.partial(link.trm_model, hidden=64, batch=16, train_puzzles=200, augment=0)
     monkeypatch.setattr(link, "trm_model", small)
     out = tmp_path / "link.json"
-    args = ["--link-models", "trm", "--link-rates", "unshaped", "20mbit", "--sync-modes", "exact", "--link-steps", "6"]
+    args = ["--link-models", "trm", "--link-rates", "20mbit", "--sync-modes", "exact", "--link-steps", "6"]
     args += ["--json", str(out)]
     assert main(["bench", "distributed", "--parts", "link", *args]) == 0
     assert namespaces() == before  # the bench's own hosts are gone with their processes
@@ -50,12 +50,10 @@ def test_the_link_part_trains_on_its_own_pair_and_removes_it(pair, tmp_path, mon
     assert "trm: TRM mlp_t hidden 64, global batch 16" in printed and "96 samples" in printed
     result = json.loads(out.read_text())["results"]
     assert result["rows"] == []  # no other part was asked for
-    runs = {r["rate"]: r for r in result["link"]["runs"]}
-    assert all(r["error"] == "" and r["workers"] == 2 and r["timed_steps"] == 4 for r in runs.values()), runs
-    fast, slow = runs["unshaped"], runs["20mbit"]
-    assert 15 < slow["link_mbit"] < 21 < 20 * 21 < fast["link_mbit"]
+    (run,) = result["link"]["runs"]
+    assert run["rate"] == "20mbit" and run["error"] == "" and run["workers"] == 2 and run["timed_steps"] == 4, run
+    assert 15 < run["link_mbit"] < 21
     # 1.6 MB of gradients a step at 20 Mbit/s: most of the step waits on the link.
-    assert slow["sync_share"] > max(0.3, fast["sync_share"]) and slow["samples_per_sec"] < fast["samples_per_sec"]
-    assert 0 < fast["quality"] < 1 and slow["quality"] == pytest.approx(fast["quality"], abs=0.02)
-    rows = {r["rate"]: r for r in result["link"]["rows"]}
-    assert rows["unshaped"]["ratio"] == 1.0 and rows["20mbit"]["ratio"] < 1.0
+    assert run["sync_share"] > 0.3 and run["samples_per_sec"] > 0 and 0 < run["quality"] < 1
+    (row,) = result["link"]["rows"]
+    assert row["rate"] == "20mbit" and row["ratio"] is None  # no unshaped run to compare with
