@@ -116,24 +116,24 @@ def test_study_exports_a_profile_that_trains(ray_cluster, tmp_path, capsys):
 
 
 def test_over_budget_trial_is_recorded_infeasible(ray_cluster, tmp_path):
-    # micro-batch 256 of a wider model needs ~2.2 GiB; the injected budget is 1200 MiB: the memory model's
+    # micro-batch 128 of a wider model needs ~1.6 GiB; the injected budget is 1200 MiB: the memory model's
     # prediction stops it before the big step, and the study goes on to a feasible one.
     base = json.loads(json.dumps(TINY["base"]))
     base["model"]["hidden_size"] = 256
-    base["training"]["global_batch_size"] = 256
+    base["training"]["global_batch_size"] = 128
     path = space_file(
         tmp_path,
         "budget",
         base=base,
         trials=2,
-        params={"training.micro_batch_size": {"type": "categorical", "choices": [8, 256]}},
-        start_with=[{"training.micro_batch_size": 256}, {"training.micro_batch_size": 8}],
+        params={"training.micro_batch_size": {"type": "categorical", "choices": [8, 128]}},
+        start_with=[{"training.micro_batch_size": 128}, {"training.micro_batch_size": 8}],
         limits={"memory_budget_mb": 1200, "max_throughput_decay": 1.0},
     )
     stream = io.StringIO()
     run_tune(str(path), out=str(tmp_path / "run"), stream=stream)
     trials = sorted(complete(study(tmp_path / "run", f"budget-{TIER_A}")), key=lambda t: t.number)
-    assert [t.params["training.micro_batch_size"] for t in trials] == [256, 8]
+    assert [t.params["training.micro_batch_size"] for t in trials] == [128, 8]
     big, small = trials
     assert big.user_attrs["status"] == "over_budget" and big.constraints["memory"] > 0
     assert big.user_attrs["peak_memory_mb"] > 1200 and big.user_attrs["predicted_memory_mb"] > 1200
