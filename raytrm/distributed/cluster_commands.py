@@ -6,12 +6,13 @@ a token the head refuses) is one line and exit code 2, and a node that cannot jo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,7 @@ def join(
     _reachable(host, port)
     spec = nodes.this_node(node_ip, tier)
     env = _environment(token, spec)
+    _check_token(f"{host}:{port}", env, token)
     nodes.run_ray(nodes.start_command(spec, f"{host}:{port}", object_store_mb=object_store_mb), env, "ray start")
     try:
         head_labels = _head_labels(f"{host}:{port}", env)
@@ -106,6 +108,42 @@ def join(
         stop()
         raise UserError(problem)
     return {"role": "worker", "head": f"{host}:{port}", "address": spec.node_ip, "tier": spec.tier}
+
+
+def _check_token(address: str, env: dict[str, str], token: Path) -> None:
+    """One authenticated call to the head: a token it refuses is one line at once (`ray start` retries such a
+    refusal for about 20 s before it gives up)."""
+    os.environ.update(env)  # before Ray is imported: it reads its auth mode once, at import
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError, RpcError
+
+    try:
+        with _stderr_silenced():  # Ray's C++ client logs the refusal on stderr as well; the one line below says it
+            GcsClient(address=address)
+    except AuthenticationError:
+        host = address.rpartition(":")[0]
+        raise UserError(
+            f"the head at {address} refused the cluster token at {token}: it is not the head's; copy the head's "
+            f"(`scp {host}:.ray/auth_token {token} && chmod 600 {token}`)"
+        ) from None
+    except RpcError as e:
+        raise UserError(
+            f"{address} answers but not as a Ray head ({e}); give the address `raytrm cluster head` printed"
+        ) from None
+
+
+@contextlib.contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for the block, for output written below Python (C++ logging)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _head_labels(address: str, env: dict[str, str]) -> dict[str, str]:
