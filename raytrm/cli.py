@@ -648,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         type=int,
         metavar="N",
-        help="distributed link: steps of each run, per model in --link-models order (default 60 for TRM, 8 for "
+        help="distributed link: steps of each run, per model in --link-models order (default 60 for TRM, 20 for "
         "the LM); the quality is read after them, and a local mode's round should fit several times",
     )
     p.add_argument(

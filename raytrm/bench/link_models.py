@@ -73,10 +73,11 @@ def trm_model(
 
 
 def lm_model(
-    work_dir: Path, steps: int = 8, hidden: int = 512, layers: int = 6, seq_len: int = 256, batch: int = 8
+    work_dir: Path, steps: int = 20, hidden: int = 512, layers: int = 6, seq_len: int = 256, batch: int = 32
 ) -> LinkModel:
     """The byte-level transformer LM (hidden 512, 6 layers: 20.6M parameters) on a slice of this Python's standard
-    library sources written into work_dir."""
+    library sources written into work_dir. A run is long enough for the rounds a slow link needs: a round is at most
+    a quarter of the run, and at 100 Mbit/s summing the LM's 82 MB takes about half a step of this batch on 2 cores."""
     from raytrm.bench.transformer import HEAD_DIM
 
     model = {"name": "transformer", "task": "lm", "hidden_size": hidden, "num_heads": max(1, hidden // HEAD_DIM)}

@@ -39,7 +39,7 @@ def test_the_lm_weighs_at_least_20m_parameters(tmp_path):
     model = link_models.lm_model(tmp_path)
     assert Transformer(cfg.from_dict(cfg.ModelConfig, model.experiment["model"])).num_parameters() >= 20_000_000
     assert (tmp_path / "corpus.py.txt").stat().st_size == link_models.LM_CORPUS_BYTES
-    assert model.steps == 8 and model.warmup == 2
+    assert model.steps == 20 and model.warmup == 3 and model.global_batch == 32
 
 
 def fake_run(tmp_path, steps, rate, workers=None, summary=None):
