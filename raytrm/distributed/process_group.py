@@ -51,6 +51,9 @@ class ProcessGroupSync:
         self.wire_dtype: torch.dtype | None = None
         self._residual: torch.Tensor | None = None  # a resumed residual, until the buckets are planned
         self._sums: dict[tuple[int, ...], list[Flat]] = {}
+        # The group sum_tensors' sums travel in, made at the first: a group's collectives share its connections and
+        # leave in the order issued, so the small exchanges issued while a round's sum travels would queue behind it.
+        self._bulk: Any = None
 
     # -- gradients ---------------------------------------------------------------------------------------------------
 
@@ -144,7 +147,10 @@ class ProcessGroupSync:
             if len(self._sums) >= 4:
                 self._sums.clear()
             self._sums[key] = [Flat(group, self.comm_device) for group in _groups(list(tensors), self.bucket_bytes)]
-        return TensorSum(self, self._sums[key])
+        if self._bulk is None:  # every rank is here at the same point: a collective
+            ranks = None if self.group is None else self.dist.get_process_group_ranks(self.group)
+            self._bulk = self.dist.new_group(ranks=ranks)
+        return TensorSum(self, self._sums[key], self._bulk)
 
     def overlapped(self, params: Sequence[torch.nn.Parameter]) -> OverlappedBuckets | None:
         """An all-reduce whose buckets start while a backward pass is still computing the rest (see the class);
@@ -244,13 +250,13 @@ class Flat:
 class TensorSum:
     """The sum of ProcessGroupSync.sum_tensors, in flight (raytrm.train.sync.PendingSum)."""
 
-    def __init__(self, sync: ProcessGroupSync, flats: list[Flat]) -> None:
+    def __init__(self, sync: ProcessGroupSync, flats: list[Flat], group: Any) -> None:
         self.sync, self.flats = sync, flats
         for flat in flats:
             flat.fill()
         if sync._staged:
             devices.synchronize(sync.device)
-        self.works = [sync.dist.all_reduce(f.flat, group=sync.group, async_op=True) for f in flats]
+        self.works = [sync.dist.all_reduce(f.flat, group=group, async_op=True) for f in flats]
 
     def wait(self) -> float:
         """Wait for the sum and write it into the tensors; returns the seconds waited."""

@@ -50,6 +50,29 @@ def test_local_rounds_of_one_sgd_step_with_plain_averaging_are_exact_sync(tiny):
     assert any(not torch.allclose(first["model"][k], exact["model"][k]) for k in exact["model"])
 
 
+def crossing_worker(rank, world_size, device):
+    """A round's sum in flight, then a small exchange on rank 0; the small exchange first on rank 1. Legal only where
+    the two travel apart: within one group, collectives leave in the order issued and these would not match."""
+    sync = ProcessGroupSync(device)
+    deltas = [torch.full((1000,), float(rank + 1)), torch.full((3,), 10.0 * (rank + 1))]
+    sync.sum_tensors(deltas).wait()  # every rank at the same point, as a round's first sum is
+    if rank == 0:
+        pending = sync.sum_tensors(deltas)
+        rows = sync.gather_floats([0.5])
+    else:
+        rows = sync.gather_floats([1.5])
+        pending = sync.sum_tensors(deltas)
+    pending.wait()
+    return rows, deltas
+
+
+def test_a_rounds_sum_in_flight_does_not_hold_up_the_small_exchanges():
+    # On a slow link the rows and stop votes a round's boundary exchanges would otherwise wait out the whole sum.
+    (rows, deltas), (rows_1, _) = spawn(crossing_worker, 2, timeout_s=120)
+    assert rows == rows_1 == [[0.5], [1.5]]
+    assert torch.equal(deltas[0], torch.full((1000,), 6.0)) and torch.equal(deltas[1], torch.full((3,), 60.0))
+
+
 def run_worker(rank, world_size, device, config, run_dir, resume=False, fail_at=None):
     """One worker of run_training; with fail_at, rank 1 dies after that step (its peers then fail too)."""
     if fail_at is not None and rank == 1:
