@@ -83,8 +83,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cp
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)  # our own child's result
     finally:
+        # After a rank's failure its peers may sit in a collective that never completes: a short grace, then stopped.
+        grace = 30 if len(out) == world_size else 5
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=grace)
             if p.is_alive():
                 p.terminate()
     return [out[r] for r in range(world_size)]
