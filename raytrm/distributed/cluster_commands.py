@@ -96,7 +96,7 @@ def join(
     _reachable(host, port)
     spec = nodes.this_node(node_ip, tier)
     env = _environment(token, spec)
-    _check_token(f"{host}:{port}", env, token)
+    _check_token(host, port, env, token)
     nodes.run_ray(nodes.start_command(spec, f"{host}:{port}", object_store_mb=object_store_mb), env, "ray start")
     try:
         head_labels = _head_labels(f"{host}:{port}", env)
@@ -110,7 +110,7 @@ def join(
     return {"role": "worker", "head": f"{host}:{port}", "address": spec.node_ip, "tier": spec.tier}
 
 
-def _check_token(address: str, env: dict[str, str], token: Path) -> None:
+def _check_token(host: str, port: int, env: dict[str, str], token: Path) -> None:
     """One authenticated call to the head: a token it refuses is one line at once (`ray start` retries such a
     refusal for about 20 s before it gives up)."""
     os.environ.update(env)  # before Ray is imported: it reads its auth mode once, at import
@@ -119,16 +119,15 @@ def _check_token(address: str, env: dict[str, str], token: Path) -> None:
 
     try:
         with _stderr_silenced():  # Ray's C++ client logs the refusal on stderr as well; the one line below says it
-            GcsClient(address=address)
+            GcsClient(address=f"{host}:{port}")
     except AuthenticationError:
-        host = address.rpartition(":")[0]
         raise UserError(
-            f"the head at {address} refused the cluster token at {token}: it is not the head's; copy the head's "
+            f"the head at {host}:{port} refused the cluster token at {token}: it is not the head's; copy the head's "
             f"(`scp {host}:.ray/auth_token {token} && chmod 600 {token}`)"
         ) from None
     except RpcError as e:
         raise UserError(
-            f"{address} answers but not as a Ray head ({e}); give the address `raytrm cluster head` printed"
+            f"{host}:{port} answers but not as a Ray head ({e}); give the address `raytrm cluster head` printed"
         ) from None
 
 
