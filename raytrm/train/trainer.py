@@ -48,6 +48,7 @@ from raytrm.train.memory import cut
 from raytrm.train.metrics import ResourceSampler
 from raytrm.train.oom import is_out_of_memory
 from raytrm.train.optim import AdamATan2, ModelEMA
+from raytrm.train.peak import one_heap
 from raytrm.train.shares import shard, split
 from raytrm.train.sync import GradientSync, LocalSync, OverlappedAllReduce
 from raytrm.train.tasks import Scalar, make_task
@@ -104,6 +105,8 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir else None
         self.threads = apply_threads(train.threads or threads, train.interop_threads or interop_threads)
         self.device = devices.pick_device(train.device)
+        if self.device.type == "cpu":
+            one_heap()  # before the micro-batch threads allocate: peaks that follow the cut, not the threads' timing
         self.dtype = devices.pick_dtype(
             self.device, config.model.forward_dtype if config.model.forward_dtype != "auto" else train.dtype
         )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
+import pytest
 
 from raytrm.train import peak as peak_mod
 from raytrm.train.peak import PeakMemory
@@ -51,3 +54,38 @@ def test_trim_heap_returns_freed_memory():
     del blocks
     assert trim_heap()
     assert held - rss() > 128 * MiB
+
+
+_ARENAS_AFTER_THREADS = """
+import ctypes, sys, threading
+from raytrm.train.peak import one_heap
+if sys.argv[1] == "one":
+    assert one_heap()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def allocate():
+    libc.free(libc.malloc(1 << 20))
+threads = [threading.Thread(target=allocate) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+libc.malloc_stats()  # one "Arena N:" section per arena, on stderr
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="needs glibc's malloc")
+def test_one_heap_keeps_every_thread_on_glibcs_main_arena():
+    """Without it, each new thread's first allocation makes an arena of its own (glibc's default); with it, one."""
+    import subprocess
+    import sys
+
+    def arenas(mode: str) -> int:
+        run = subprocess.run(
+            [sys.executable, "-c", _ARENAS_AFTER_THREADS, mode], capture_output=True, text=True, check=True
+        )
+        return run.stderr.count("Arena ")
+
+    assert arenas("default") > 1
+    assert arenas("one") == 1
