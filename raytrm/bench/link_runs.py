@@ -52,6 +52,8 @@ def read_run(run_dir: Path, model: LinkModel) -> dict[str, Any]:
     chosen = summary.get("sync_mode") or ""
     if chosen and summary.get("sync_every"):
         chosen += f" H={summary['sync_every']}"
+    if chosen and summary.get("sync_overlap"):
+        chosen += f" behind {summary['sync_overlap']}"
     return {
         "samples_per_sec": model.global_batch * len(timed) / sum(seconds),
         "sync_share": share,

@@ -66,11 +66,11 @@ def one_heap() -> bool:
     """Make every thread allocate from glibc's main heap (mallopt M_ARENA_MAX = 1), so a step's peak is a function of
     the step.
 
-    glibc gives a thread that finds the heap locked an arena of its own and keeps freed blocks there; with micro-batches
-    on threads side by side, which arena a tensor lands in follows the threads' timing, and so does the resident peak
-    (the same cut measured up to a fifth over the fit of its neighbours). Torch's tensors are few and large, so one
-    heap costs no contention worth measuring. Call before threads allocate: glibc fixes its arena limit at the first
-    arena it makes. Returns False without glibc (macOS's allocator has no arenas to pin).
+    glibc gives each new thread an arena of its own (up to eight a core) and keeps freed blocks in it; with
+    micro-batches on threads side by side, which arena a tensor lands in follows the threads' timing, and so does the
+    resident peak (the same cut measured up to a fifth over the fit of its neighbours). Torch's tensors are few and
+    large, so one heap costs no contention worth measuring. Call before threads allocate: arenas made before stay in
+    use. Returns False without glibc (macOS's allocator has no arenas to pin).
     """
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt

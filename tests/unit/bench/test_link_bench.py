@@ -45,7 +45,7 @@ def test_the_lm_weighs_at_least_20m_parameters(tmp_path):
 def fake_run(tmp_path, steps, rate, workers=None, summary=None):
     """A run directory as `raytrm train` leaves it: a metrics row each step (and an event), and the summary."""
     run = tmp_path / "run"
-    run.mkdir()
+    run.mkdir(parents=True)
     rows = [{"step": 1, "event": "rebalance"}]
     for step in range(1, steps + 1):
         row = {"step": step, "samples_per_sec": rate(step)}
@@ -80,6 +80,9 @@ def test_the_summary_s_sync_share_and_choice_win(tmp_path, share):
     got = link_runs.read_run(fake_run(tmp_path, 4, lambda s: 4.0, summary=summary), model)
     assert got["sync_share"] == 0.25 and got["sync_share_from"] == "summary"
     assert got["chosen"] == "local H=16" and got["quality"] == 3.5
+    summary["sync_overlap"] = 2  # the round's sum travelled behind 2 steps
+    got = link_runs.read_run(fake_run(tmp_path / "behind", 4, lambda s: 4.0, summary=summary), model)
+    assert got["chosen"] == "local H=16 behind 2"
 
 
 def run(rate, mode, r, rate_s, quality, share=0.1, error=""):
