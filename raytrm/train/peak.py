@@ -9,6 +9,7 @@ MPS has no peak API: the sampling thread reads the allocator's current allocatio
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 import threading
 from collections.abc import Callable
@@ -38,6 +39,15 @@ def _reset_hwm() -> bool:
     return True
 
 
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """glibc, where this process runs on it (Linux); None elsewhere (macOS)."""
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def trim_heap() -> bool:
     """Give freed heap back to the OS (glibc malloc_trim), so resident memory reflects what is in use again.
 
@@ -45,19 +55,12 @@ def trim_heap() -> bool:
     the resident size stays near its peak, and a smaller step would look as large. Returns False where there is no
     glibc (macOS's allocator returns memory by itself).
     """
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim is False:
+    libc = _glibc()
+    if libc is None:
         return False
-    _malloc_trim(0)
+    libc.malloc_trim(0)
     return True
 
-
-_malloc_trim = None
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter
 
@@ -72,11 +75,8 @@ def one_heap() -> bool:
     large, so one heap costs no contention worth measuring. Call before threads allocate: arenas made before stay in
     use. Returns False without glibc (macOS's allocator has no arenas to pin).
     """
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_ARENA_MAX, 1))
+    libc = _glibc()
+    return libc is not None and bool(libc.mallopt(_M_ARENA_MAX, 1))
 
 
 class _Sampler(threading.Thread):
