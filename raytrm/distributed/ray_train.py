@@ -373,11 +373,11 @@ def _ray_info_off_console() -> None:
 def _worker_loop(job: dict) -> None:
     import ray.train
 
-    from raytrm.distributed.process_group import ProcessGroupSync
     from raytrm.hardware import device as devices
+    from raytrm.sync.process_group import ProcessGroupSync
+    from raytrm.sync.shares import split
     from raytrm.train import checkpoint as ckpt
     from raytrm.train.run import CHECKPOINT_DIR, run_training
-    from raytrm.train.shares import split
 
     rank = ray.train.get_context().get_world_rank()
     # Rank 0 speaks for the run; the others say only what goes wrong (Ray forwards every worker's output).

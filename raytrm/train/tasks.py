@@ -38,7 +38,7 @@ class Task(Protocol):
     #: Tokens a training sample holds, where throughput is counted in tokens (the language model); else None.
     tokens_per_sample: int | None
     #: Whether most of the gradient is final well before the backward ends, so that summing it across workers during
-    #: the backward pays (raytrm.train.sync.OverlappedAllReduce).
+    #: the backward pays (raytrm.sync.contract.OverlappedAllReduce).
     overlaps_sync: bool
 
     def begin_step(self, batch: Batch, global_batch: int, part: slice) -> Any: ...

@@ -4,20 +4,20 @@ Life cycle (as torchtitan's):
 - construction: `Trainer(config, run_dir, threads=, interop_threads=, sync=, shares=)` applies the thread counts,
   picks the device and dtype, and builds from the config a task (raytrm.train.tasks: the model family's data, model,
   losses and evaluation; TRM's carry and sparse optimizer), the optimizer, the EMA and the compiled regions. It is
-  handed a sync object (the contract of raytrm.train.sync; `LocalSync` alone) and this worker's share of each
-  global batch; run_dir is recorded only (the run loop writes the directory).
-- `train_step` does one optimizer step over one global batch: this worker's slots, cut into micro-batches, then the
-  sync object's sums (gradients, metrics, carry slots that move) and the optimizer, and returns a `StepResult`;
-  given `on_out_of_memory`, a step the allocator refuses is redone from the same state at the smaller cut it returns.
-  `forward_backward` and `optimizer_step` are its two halves, for checks that look at the gradient in between.
-  With `steps_alone` (a local round's inner steps) the step exchanges nothing: this worker's own samples' mean.
-  `set_micro_batch` and `set_shares` re-cut the following global batches; neither changes a step's samples or
-  gradient.
+  handed the collectives of its fellow workers (raytrm.sync.contract; none alone) and this worker's share of each
+  global batch, and builds the run's sync strategy over them (raytrm.sync.strategy); run_dir is recorded only (the
+  run loop writes the directory).
+- `train_step` does one optimizer step over one global batch: accumulate this worker's micro-batches, reduce them
+  with the sync strategy (gradients and metrics summed over the workers, or this worker's own inside a local round),
+  apply the optimizer; it returns a `StepResult`. Given `on_out_of_memory`, a step the allocator refuses is redone
+  from the same state at the smaller cut it returns. `forward_backward` and `optimizer_step` are its two halves, for
+  checks that look at the gradient in between. `set_micro_batch` and `set_shares` re-cut the following global
+  batches; neither changes a step's samples or gradient.
 - `evaluate` scores the EMA weights on the held-out split.
 - `state_dict` / `load_state_dict` capture everything a resume needs (model, optimizers, EMA, carry, step, RNG,
   data position, config).
-- `close` releases the batch stream (and its loader processes), the overlapped all-reduce's hooks and the threads
-  of side-by-side micro-batches.
+- `close` releases the batch stream (and its loader processes), the sync strategy's hooks and the threads of
+  side-by-side micro-batches.
 
 The Trainer has no loop: raytrm.train.loop drives `train_step` and asks its hooks (memory, heat, evaluations, stop
 rules, peers, metrics, checkpoints) around each step. Ray code wraps a Trainer; it never reaches into it.
@@ -42,6 +42,10 @@ from raytrm.data.loader import global_batches
 from raytrm.fastpaths import onednn
 from raytrm.hardware import device as devices
 from raytrm.models.trm import Carry, rows
+from raytrm.sync.contract import GradientSync, LocalSync
+from raytrm.sync.mode import read_sums
+from raytrm.sync.shares import shard, split
+from raytrm.sync.strategy import SyncStrategy
 from raytrm.train import threaded
 from raytrm.train.compile import compile_regions, plan_compile, use_compile_caches
 from raytrm.train.memory import cut
@@ -49,8 +53,6 @@ from raytrm.train.metrics import ResourceSampler
 from raytrm.train.oom import is_out_of_memory
 from raytrm.train.optim import AdamATan2, ModelEMA
 from raytrm.train.peak import one_heap
-from raytrm.train.shares import shard, split
-from raytrm.train.sync import GradientSync, LocalSync, OverlappedAllReduce
 from raytrm.train.tasks import Scalar, make_task
 from raytrm.train.threads import apply_threads
 
@@ -120,9 +122,6 @@ class Trainer:
         self.optimizer = self._build_optimizer()
         self.sparse_optimizer = self.task.sparse_optimizer
         self.sync: GradientSync = sync or LocalSync()
-        if self.sparse_optimizer is not None and self.sync.world_size > 1:
-            # Every worker applies SignSGD to the union of the rows all workers touched, so tables stay equal.
-            self.sparse_optimizer.gather = self.sync.gather_rows
         self.ema = ModelEMA(self.model, decay=train.ema_decay, warmup=train.ema_warmup) if train.ema else None
         #: The model's regions running compiled (after the EMA's copy, which stays eager for evaluation).
         self.compiled = compile_regions(self.model, plan_compile(train.compile, self.device.type))
@@ -141,11 +140,6 @@ class Trainer:
         self._update_ratio: torch.Tensor | None = None
         #: Fraction of the gradient bytes whose sum started during the last backward, in the latest step.
         self.last_overlap = 0.0
-        self._reducer: OverlappedAllReduce | None = None
-        #: This worker steps alone on its own samples (the inner steps of a local round, raytrm.train.rounds): no
-        #: gradient or metric is exchanged, the gradient is the mean over its own samples, the loss and metrics are
-        #: its own, and the EMA waits for the round's synchronized parameters.
-        self.steps_alone = False
         self.step = 0
         self.samples_seen = 0
         self.samples_seen_this_run = 0
@@ -154,6 +148,8 @@ class Trainer:
         self._prefetched: dict[str, torch.Tensor] | None = None  # the next global batch, gathered (see _prefetch)
         self._sample_bytes = 0  # input bytes of one sample, known from the first step
         self.resources = ResourceSampler()
+        #: How this worker's steps join its peers' (raytrm.sync.strategy): the one sync object of the run.
+        self.strategy = SyncStrategy(self, sync, train, overlaps=self.task.overlaps_sync)
         #: On a CPU with several threads, micro-batches run side by side, one share of the slots per thread (as many
         #: threads as torch has at each step: the thermal guard may halve them).
         self._threaded = (
@@ -262,36 +258,21 @@ class Trainer:
         """
         return self._read(*self._forward_backward(batch, on_out_of_memory))
 
-    def _read(self, loss: Scalar, totals: dict[str, Scalar]) -> tuple[float, dict[str, float | None]]:
-        """The loss and the metrics' rates on the host, from sums that may still be on the device (stepping alone:
-        over this worker's own samples)."""
-        loss_sum, sums = self._read_sums(loss, totals)
-        if self.steps_alone and self.sync.world_size > 1:
-            return loss_sum * self.global_batch / self.local_batch, self.task.rates(sums, self.local_batch)
-        return loss_sum, self.task.rates(sums, self.global_batch)
-
-    def _read_sums(self, loss: Scalar, totals: dict[str, Scalar]) -> tuple[float, dict[str, float]]:
-        """The sums as host floats, with one wait for the device, not one a value."""
-        keys = list(totals)
-        values = [loss, *totals.values()]
-        on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-        if on_device:
-            # In float64 where the device has it: the loss is summed in float64 there, and the host's floats are.
-            stacked = torch.stack([values[i].to(devices.loss_dtype(self.device)) for i in on_device])
-            for i, value in zip(on_device, stacked.tolist(), strict=True):
-                values[i] = value
-        floats = [float(v) for v in values]
-        return floats[0], dict(zip(keys, floats[1:], strict=True))
+    def _read(self, loss: Scalar, totals: dict[str, Scalar], samples: int) -> tuple[float, dict[str, float | None]]:
+        """The loss and the metrics' rates on the host, from sums over `samples` samples that may still be on the
+        device (the global batch's, or this worker's own inside a local round)."""
+        loss_sum, sums = read_sums(loss, totals, self.device)
+        return loss_sum * self.global_batch / samples, self.task.rates(sums, samples)
 
     def _forward_backward(
         self,
         batch: dict[str, torch.Tensor] | None,
         on_out_of_memory: Callable[[int], int] | None,
         prefetch: bool = False,
-    ) -> tuple[Scalar, dict[str, Scalar]]:
-        """forward_backward without reading its results: the loss and metric sums, on the device alone. prefetch:
-        gather the next global batch once the backward is queued, while the device runs it (before the workers'
-        sums, which wait for the device)."""
+    ) -> tuple[Scalar, dict[str, Scalar], int]:
+        """forward_backward without reading its results: the loss and metric sums (on the device alone) and the
+        samples they cover. prefetch: gather the next global batch once the backward is queued, while the device runs
+        it (before the workers' sums, which wait for the device)."""
         batch = self._next_global_batch() if batch is None else batch
         batch = {k: rows(v, self.shard).to(self.device, non_blocking=True) for k, v in batch.items()}
         self._sample_bytes = sum(math.prod(v.shape[1:]) * v.element_size() for v in batch.values() if v.dim() > 0)
@@ -299,21 +280,13 @@ class Trainer:
         step = self.task.begin_step(batch, self.global_batch, self.shard)
         # Only allocators that raise need a copy to redo from; on the CPU nothing raises, so nothing is copied.
         saved = self.task.snapshot() if on_out_of_memory else None
-        reducer = self._overlapped_reducer()
-        if reducer is not None:
-            reducer.start()
-        redone = False
         while True:
             try:
-                loss, totals = self._accumulate(batch, step, None if redone else reducer)
+                loss, totals = self._accumulate(batch, step)
                 break
             except Exception as error:
                 if on_out_of_memory is None or not is_out_of_memory(error):
                     raise
-                if reducer is not None and not redone:
-                    # The peers are summing this step's buckets: send ours (void), so none of theirs waits forever.
-                    reducer.abandon()
-                redone = True
                 self._discard_partial_step(saved)
                 self.set_micro_batch(on_out_of_memory(self.step))
         if prefetch:
@@ -321,64 +294,31 @@ class Trainer:
         if self.sync.world_size > 1:
             devices.synchronize_compute(self.device)  # the balancer compares workers' compute times: count queued work
             self.last_compute_s = time.perf_counter() - start
-            params = list(self.model.parameters())
-            if self.steps_alone:
-                # The task divided by the global batch's count: this worker's gradient is (b_i / B) of its own mean.
-                self.last_sync_s = 0.0
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(self.global_batch / self.local_batch)
-                return loss, totals
-            keys = sorted(totals)
-            local, local_totals = self._read_sums(loss, totals)
-            values = [local, *(local_totals[k] for k in keys)]
-            if reducer is None:
-                self.last_sync_s = self.sync.all_reduce_gradients(params)
-                summed = self.sync.sum_floats(values)
-            else:
-                self.last_sync_s = 0.0 if redone else reducer.finish()
-                summed = self.sync.sum_floats([*values, float(redone)])
-                if summed.pop() == 0:
-                    reducer.commit()
-                else:  # some rank redid its samples after sending its buckets: every rank sums its gradient again
-                    self.last_sync_s += self.sync.all_reduce_gradients(params)
-                self.last_overlap = reducer.overlapped_bytes / reducer.total_bytes
-            loss, totals = summed[0], dict(zip(keys, summed[1:], strict=True))
-        return loss, totals
+        reduced = self.strategy.reduce(loss, totals)
+        self.last_sync_s = reduced.sync_seconds
+        if reduced.overlap is not None:
+            self.last_overlap = reduced.overlap
+        return reduced.loss, reduced.totals, reduced.samples
 
-    def _accumulate(
-        self, batch: dict[str, torch.Tensor], step: Any, reducer: OverlappedAllReduce | None = None
-    ) -> tuple[Scalar, dict[str, Scalar]]:
-        """This worker's loss and metric sums over its micro-batches, added up on the device (the last
-        micro-batch's backward arms the reducer)."""
+    def _accumulate(self, batch: dict[str, torch.Tensor], step: Any) -> tuple[Scalar, dict[str, Scalar]]:
+        """This worker's loss and metric sums over its micro-batches, added up on the device: side by side on a
+        CPU's threads, or one after another through the sync strategy (which may start the gradient's sum during the
+        last backward)."""
         if not self.model.training:  # train() visits every module: 0.1-0.2 ms of host time a step, device idle
             self.model.train()
         totals: dict[str, Scalar] = {}
         loss_sum: Scalar = 0.0
         threads = threaded.side_by_side(self.local_batch, self.micro_batch, torch.get_num_threads())
-        if self._threaded is not None and threads > 1 and reducer is None and not threaded.observed():
+        if self._threaded is not None and threads > 1 and not self.strategy.overlapped and not threaded.observed():
             groups = threaded.plan(self.local_batch, self.micro_batch, threads)
             results = self._threaded.run(groups, lambda model, part: self.task.micro_step(batch, part, step, model))
         else:
-            results = []
-            parts = self.slices()
-            for i, part in enumerate(parts):
-                if reducer is not None and i == len(parts) - 1:
-                    reducer.arm()
-                results.append(self.task.micro_step(batch, part, step))
+            results = [self.task.micro_step(batch, part, step) for part in self.strategy.micro_batches(self.slices())]
         for loss, metrics in results:
             loss_sum += loss
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
         return loss_sum, totals
-
-    def _overlapped_reducer(self) -> OverlappedAllReduce | None:
-        """The all-reduce overlapped with the last backward, where gradients finish early (the transformer)."""
-        if self.sync.world_size == 1 or self.steps_alone or not self.task.overlaps_sync:
-            return None
-        if self._reducer is None:
-            self._reducer = self.sync.overlapped(list(self.model.parameters()))
-        return self._reducer
 
     def _discard_partial_step(self, saved: Any) -> None:
         """Forget the gradient and state updates (TRM's carry) of a step that failed part-way."""
@@ -443,7 +383,7 @@ class Trainer:
             # The embedding follows the same warm-up and schedule, scaled to its own learning rate.
             self.sparse_optimizer.lr = lr * train.puzzle_emb_lr / train.lr
             self.sparse_optimizer.step()
-        if self.ema is not None and not self.steps_alone:
+        if self.ema is not None and not self.strategy.steps_alone:
             self.ema.update(self.model)
         self.step += 1
         self.samples_seen += self.global_batch
@@ -466,9 +406,7 @@ class Trainer:
     def close(self) -> None:
         """Release the batch stream (and its worker processes, if any) and the overlapped all-reduce's hooks."""
         self._batches = self._prefetched = None
-        if self._reducer is not None:
-            self._reducer.close()
-            self._reducer = None
+        self.strategy.close()
         if self._threaded is not None:
             self._threaded.close()
 

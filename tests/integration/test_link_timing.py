@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytrm.distributed.link import choose_for_cluster, measure_cluster_link
+from raytrm.distributed.cluster_link import choose_for_cluster, measure_cluster_link
 from raytrm.distributed.ray_train import raytrm_nodes
 
 pytestmark = pytest.mark.slow
