@@ -99,6 +99,31 @@ def test_imports_run_down_the_layers() -> None:
     assert not upward, "imports that run up or across the layers:\n" + "\n".join(upward)
 
 
+def _ray_imports(path: Path) -> Iterator[int]:
+    """Lines that import Ray (a module of the `ray` package), anywhere in the file."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(name == "ray" or name.startswith("ray.") for name in names):
+            yield node.lineno
+
+
+def test_nothing_below_distributed_imports_ray() -> None:
+    order = _order()
+    below = {layer for layer, height in order.items() if height < order["distributed"]}
+    found = [
+        f"{module}:{line}"
+        for module, path in MODULES.items()
+        if _layer_of(module) in below
+        for line in _ray_imports(path)
+    ]
+    assert not found, "modules below distributed/ that import Ray:\n" + "\n".join(found)
+
+
 def test_no_import_circle() -> None:
     graph = {module: {target for target, _ in targets} for module, targets in EDGES.items()}
     circles = _strongly_connected(graph)
