@@ -1,4 +1,5 @@
-"""Optimizers TRM needs in plain PyTorch: AdamATan2, SignSGD for the sparse puzzle table, and a weight EMA.
+"""The optimizers and their schedule: AdamW or AdamATan2 for the weights (`build_optimizer`), the learning rate by
+step (`lr_at`: warm-up, then constant or cosine), SignSGD for the sparse puzzle table, and a weight EMA.
 
 AdamATan2 follows the adam-atan2 package the reference trains with (a CUDA-only kernel): Adam whose update is
 atan2(m, sqrt(v)) instead of m / (sqrt(v) + eps), so it needs no epsilon. SignSGD follows the reference's
@@ -14,6 +15,29 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from raytrm import config as cfg
+from raytrm.hardware import device as devices
+
+
+def build_optimizer(model: nn.Module, train: cfg.TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The weights' optimizer the config names, at its peak learning rate (the schedule sets it each step)."""
+    kind = AdamATan2 if train.optimizer == "adam_atan2" else torch.optim.AdamW
+    # On CUDA, AdamW's fused kernel updates every weight in a few launches, where the default launches a dozen
+    # per-tensor-list kernels from the host, one by one, with the GPU idle between them.
+    extra = {} if kind is AdamATan2 else {"eps": 1e-8, "fused": True if device.type == devices.CUDA else None}
+    return kind(model.parameters(), lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay, **extra)
+
+
+def lr_at(step: int, train: cfg.TrainConfig, total_steps: int | None) -> float:
+    """Linear warm-up to lr, then constant or cosine down to min_lr_ratio * lr."""
+    if train.warmup_steps and step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    if train.schedule == "cosine" and total_steps:
+        progress = min(1.0, (step - train.warmup_steps) / max(1, total_steps - train.warmup_steps))
+        floor = train.min_lr_ratio
+        return train.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return train.lr
 
 
 def _evaluate(closure: Callable[[], float] | None) -> float | None:

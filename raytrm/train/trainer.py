@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 from raytrm import config as cfg
-from raytrm.data.loader import global_batches
 from raytrm.fastpaths import onednn
 from raytrm.hardware import device as devices
 from raytrm.models.trm import Carry, rows
@@ -47,11 +46,12 @@ from raytrm.sync.mode import read_sums
 from raytrm.sync.shares import shard, split
 from raytrm.sync.strategy import SyncStrategy
 from raytrm.train import threaded
+from raytrm.train.batches import BatchStream
 from raytrm.train.compile import compile_regions, plan_compile, use_compile_caches
 from raytrm.train.memory import cut
 from raytrm.train.metrics import ResourceSampler
 from raytrm.train.oom import is_out_of_memory
-from raytrm.train.optim import AdamATan2, ModelEMA
+from raytrm.train.optim import ModelEMA, build_optimizer, lr_at
 from raytrm.train.peak import one_heap
 from raytrm.train.tasks import Scalar, make_task
 from raytrm.train.threads import apply_threads
@@ -76,17 +76,6 @@ class StepResult:
     grad_norm: float | None = None
     #: ||w_after - w_before|| / ||w_before|| over the dense weights, on steps that asked for it (`watch_update`).
     update_ratio: float | None = None
-
-
-def lr_at(step: int, train: cfg.TrainConfig, total_steps: int | None) -> float:
-    """Linear warm-up to lr, then constant or cosine down to min_lr_ratio * lr."""
-    if train.warmup_steps and step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
-    if train.schedule == "cosine" and total_steps:
-        progress = min(1.0, (step - train.warmup_steps) / max(1, total_steps - train.warmup_steps))
-        floor = train.min_lr_ratio
-        return train.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-    return train.lr
 
 
 class Trainer:
@@ -119,7 +108,7 @@ class Trainer:
         self.task = make_task(config, self.device, self.dtype, self.loss_dtype)
         self.train_data, self.test_data = self.task.train_data, self.task.test_data
         self.model = self.task.model
-        self.optimizer = self._build_optimizer()
+        self.optimizer = build_optimizer(self.model, train, self.device)
         self.sparse_optimizer = self.task.sparse_optimizer
         self.sync: GradientSync = sync or LocalSync()
         self.ema = ModelEMA(self.model, decay=train.ema_decay, warmup=train.ema_warmup) if train.ema else None
@@ -144,8 +133,9 @@ class Trainer:
         self.samples_seen = 0
         self.samples_seen_this_run = 0
         self.current_lr = lr_at(0, train, train.steps)
-        self._batches = None
-        self._prefetched: dict[str, torch.Tensor] | None = None  # the next global batch, gathered (see _prefetch)
+        self.batches = BatchStream(
+            self.train_data, self.global_batch, train.seed, train.dataloader_workers, self.device
+        )
         self._sample_bytes = 0  # input bytes of one sample, known from the first step
         self.resources = ResourceSampler()
         #: How this worker's steps join its peers' (raytrm.sync.strategy): the one sync object of the run.
@@ -179,48 +169,6 @@ class Trainer:
         if state is not None:
             held += sum(t[0].numel() * t.element_size() for t in state.values() if t.dim() > 0)
         return held
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        train = self.config.training
-        kind = AdamATan2 if train.optimizer == "adam_atan2" else torch.optim.AdamW
-        # On CUDA, AdamW's fused kernel updates every weight in a few launches, where the default runs a dozen
-        # per-tensor-list kernels that the host launches one by one (1.3 ms a TRM step on an H200, the GPU idle).
-        extra = {} if kind is AdamATan2 else {"eps": 1e-8, "fused": True if self.device.type == devices.CUDA else None}
-        return kind(
-            self.model.parameters(), lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay, **extra
-        )
-
-    # -- data ------------------------------------------------------------------------------------------------------
-
-    def _next_global_batch(self) -> dict[str, torch.Tensor]:
-        if self._prefetched is not None:
-            batch, self._prefetched = self._prefetched, None
-            return batch
-        if self._batches is None:
-            self._batches = global_batches(
-                self.train_data.batch,
-                len(self.train_data),
-                self.global_batch,
-                self.config.training.seed,
-                first_step=self.step,
-                workers=self.config.training.dataloader_workers,
-            )
-        return next(self._batches)
-
-    def _prefetch(self) -> None:
-        """Gather the next global batch while the device still runs this step, and queue its copy to the device
-        behind this step's work; the task draws what the next step needs on the host too (prepare_step).
-
-        On CUDA the batch goes through page-locked memory, so the host does not wait for the copy, and the next step
-        starts on its first kernels: at its start the host used to spend 0.3 ms on the batch's copies and 0.25 ms on
-        TRM's exploration draws with the device idle (TRM-attention on an H200's host). Elsewhere the copy stays at
-        the step's start.
-        """
-        batch = self._next_global_batch()
-        if self.device.type == devices.CUDA:
-            batch = {k: devices.queued_copy(v, self.device) for k, v in batch.items()}
-        self._prefetched = batch
-        self.task.prepare_step(self.global_batch)
 
     # -- one optimizer step ----------------------------------------------------------------------------------------
 
@@ -273,7 +221,7 @@ class Trainer:
         """forward_backward without reading its results: the loss and metric sums (on the device alone) and the
         samples they cover. prefetch: gather the next global batch once the backward is queued, while the device runs
         it (before the workers' sums, which wait for the device)."""
-        batch = self._next_global_batch() if batch is None else batch
+        batch = self.batches.next(self.step) if batch is None else batch
         batch = {k: rows(v, self.shard).to(self.device, non_blocking=True) for k, v in batch.items()}
         self._sample_bytes = sum(math.prod(v.shape[1:]) * v.element_size() for v in batch.values() if v.dim() > 0)
         start = time.perf_counter()
@@ -289,8 +237,9 @@ class Trainer:
                     raise
                 self._discard_partial_step(saved)
                 self.set_micro_batch(on_out_of_memory(self.step))
-        if prefetch:
-            self._prefetch()
+        if prefetch:  # the next step's batch and the task's draws for it, while the device still runs this one
+            self.batches.prefetch(self.step)
+            self.task.prepare_step(self.global_batch)
         if self.sync.world_size > 1:
             devices.synchronize_compute(self.device)  # the balancer compares workers' compute times: count queued work
             self.last_compute_s = time.perf_counter() - start
@@ -304,7 +253,7 @@ class Trainer:
         """This worker's loss and metric sums over its micro-batches, added up on the device: side by side on a
         CPU's threads, or one after another through the sync strategy (which may start the gradient's sum during the
         last backward)."""
-        if not self.model.training:  # train() visits every module: 0.1-0.2 ms of host time a step, device idle
+        if not self.model.training:  # train() visits every module: host time every step, with the device idle
             self.model.train()
         totals: dict[str, Scalar] = {}
         loss_sum: Scalar = 0.0
@@ -405,7 +354,7 @@ class Trainer:
 
     def close(self) -> None:
         """Release the batch stream (and its worker processes, if any) and the overlapped all-reduce's hooks."""
-        self._batches = self._prefetched = None
+        self.batches.restart()
         self.strategy.close()
         if self._threaded is not None:
             self._threaded.close()
@@ -463,7 +412,7 @@ class Trainer:
             raise ValueError(f"step {self.step} and samples_seen {self.samples_seen}: expected counts >= 0")
         torch.set_rng_state(state["rng"]["torch"])
         self.task.load_rng_state(state["rng"])
-        self._batches = self._prefetched = None  # restart the batch stream at the resumed step
+        self.batches.restart()  # at the resumed step
 
 
 def _update_ratio(before: list[torch.Tensor], after: list[torch.Tensor]) -> torch.Tensor:

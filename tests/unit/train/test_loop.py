@@ -7,9 +7,10 @@ import pytest
 
 from raytrm import config as cfg
 from raytrm.train.loop import ORDER, Cut, Hook, Loop, Pause, Scale, Stop, Threads
+from raytrm.train.optim import lr_at
 from raytrm.train.run import run_training
 from raytrm.train.schedule import Evaluations, SampleLimit, StepLimit
-from raytrm.train.trainer import Trainer, lr_at
+from raytrm.train.trainer import Trainer
 
 
 def test_warmup_then_constant_or_cosine():
@@ -31,7 +32,7 @@ def test_loader_workers_give_the_same_batches(tiny):
     inline = Trainer(tiny(training={"dataloader_workers": 0}))
     workers = Trainer(tiny(training={"dataloader_workers": 1}))
     for _ in range(3):
-        a, b = inline._next_global_batch(), workers._next_global_batch()
+        a, b = inline.batches.next(inline.step), workers.batches.next(workers.step)
         assert a.keys() == b.keys()
         for key in a:
             assert a[key].equal(b[key]), key
