@@ -288,7 +288,7 @@ class HealthMonitor:
             step,
             f"loss is {loss:.3g} at step {step}, {times}: an update blew the weights up"
             + (" inside the lr warm-up" if step <= c.warmup_steps else ""),
-            f"{c.lower_lr()}, {c.clip()}",
+            c.lower_lr() + ("" if c.grad_clip else f", {c.clip()}"),
         )
 
     def _frozen(

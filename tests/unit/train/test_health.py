@@ -103,6 +103,8 @@ def test_an_absurd_loss_inside_the_warmup_fires_once_at_its_step():
         "lower training.lr (now 0.003; the size rule gives 0.00038 for this model), clip the gradient "
         "(training.grad_clip, now off; 1.0 is usual)"
     )
+    (clipped,) = _run(HealthMonitor(_context(outputs=11, grad_clip=1.0)), history)
+    assert clipped.fix == "lower training.lr (now 0.003; the size rule gives 0.00038 for this model)"
 
 
 def test_an_absurd_loss_is_ten_times_a_uniform_guess_or_the_labels_entropy_where_the_outputs_are_unknown():
