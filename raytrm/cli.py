@@ -464,7 +464,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/train-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest good checkpoint")
-    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress line; with --workers/--address no INFO lines either, only warnings and the summary "
+        "(Ray's and the workers' lines are in RUN_DIR/logs/ with or without it)",
+    )
     for flag, (_, _, kind, text) in TRAIN_FLAGS.items():
         p.add_argument(flag, dest=_flag_dest(flag), type=kind, default=None, help=text)
     p.set_defaults(func=cmd_train)

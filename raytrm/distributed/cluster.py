@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 from raytrm.constants import RAY_ADDRESS_ENV, RESOURCE_MACHINE, TIER_RESOURCE_PREFIX, tier_resource
 from raytrm.errors import UserError
@@ -38,14 +39,15 @@ def _check_reachable(address: str) -> None:
         )
 
 
-def connect(address: str | None, dashboard: bool = False) -> bool:
+def connect(address: str | None, dashboard: bool = False, on_import: Callable[[], None] | None = None) -> bool:
     """Connect to Ray: the running one (tests), a cluster at address, or a local one started here. True if owned.
 
     Without an address, a driver that Ray started for a job (RAY_ADDRESS set) joins the job's cluster, as
     `--address auto` would; elsewhere a local Ray is started. A cluster made by `raytrm cluster` wants its token: with
     one on this Mac, token authentication is turned on. dashboard starts a local Ray with its dashboard, whose state
     API Ray Train's placement-group cleaner polls (without it, the cleaner warns every second); tuning does without
-    and saves its memory.
+    and saves its memory. on_import is called once Ray is imported and before it is joined (a driver routes Ray's
+    log lines there: raytrm.distributed.run_logs).
     """
     if not address and os.environ.get(RAY_ADDRESS_ENV):
         logger.info("%s=%s (a Ray job's driver): joining that cluster", RAY_ADDRESS_ENV, os.environ[RAY_ADDRESS_ENV])
@@ -55,6 +57,9 @@ def connect(address: str | None, dashboard: bool = False) -> bool:
 
         use_cluster_token()  # before Ray is imported, which reads its auth mode once
     import ray
+
+    if on_import is not None:
+        on_import()
 
     if address and address != "auto":
         _check_reachable(address)

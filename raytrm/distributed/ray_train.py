@@ -163,9 +163,11 @@ def train_distributed(
     """Train config on Ray Train workers (N on this machine, or one per node of the cluster at address).
 
     `explicit` names the training fields the user set by flag: they hold on every worker over tier defaults.
-    Returns rank 0's summary.
+    Without `progress` (--quiet) the terminal shows warnings only; Ray's lines and the workers' INFO lines go to
+    RUN_DIR/logs either way (raytrm.distributed.run_logs). Returns rank 0's summary.
     """
     from raytrm.distributed.cluster import connect
+    from raytrm.distributed.run_logs import DriverLogs
     from raytrm.train import checkpoint as ckpt
     from raytrm.train.run import CHECKPOINT_DIR, SUMMARY_FILE
 
@@ -177,8 +179,10 @@ def train_distributed(
     machines, weights = profile_settings(profiles, profile_names) if profiles else ({}, {})
     if profiles:  # the first profile's machine settings are its tier's: other tiers take theirs, or their defaults
         config = without_machine_settings(config, keep=explicit)
-    owned = connect(address, dashboard=True)
+    logs, owned = DriverLogs(run_dir, quiet=not progress).start(), False
     try:
+        owned = connect(address, dashboard=True, on_import=logs.ray_imported)
+        logs.forward()
         nodes = raytrm_nodes()
         on_cluster = address is not None
         count = workers or len(nodes)
@@ -194,6 +198,7 @@ def train_distributed(
                 f"{', '.join(sorted({str(n.tier) for n in nodes}))}); drop that profile or start such a node"
             )
         _check_nodes(run_dir, config.data.path, nodes)
+        logs.keep()
         job = {
             "config": config,
             "run_dir": str(run_dir.resolve()),
@@ -204,6 +209,7 @@ def train_distributed(
             "weights": weights,
             "explicit": list(explicit),
             "workers_per_machine": 1 if on_cluster else count,
+            "driver_restarts": on_cluster,  # and says so (_fit); on one machine Ray Train restarts the group
         }
         _fit(job, count, on_cluster, nodes, run_dir, max_failures)
         return json.loads((run_dir / SUMMARY_FILE).read_text())
@@ -212,6 +218,7 @@ def train_distributed(
             import ray
 
             ray.shutdown()
+        logs.close()
 
 
 def _fit(job: dict, count: int, on_cluster: bool, nodes: Sequence[Node], run_dir: Path, max_failures: int) -> None:
@@ -281,8 +288,7 @@ def _fit_group(
             storage_path=str((run_dir / "ray").resolve()),
             failure_config=FailureConfig(max_failures=max_failures),
             # Ray Train's own INFO lines (state changes, reports) stay in its log files under the session's
-            # logs/train/ (the workers' are dropped from the console by _ray_info_off_console): the terminal shows
-            # raytrm's progress line and Ray Train's warnings.
+            # logs/train/; its warnings reach RUN_DIR/logs/driver.log (raytrm.distributed.run_logs).
             logging_config=LoggingConfig(log_level="WARNING"),
         ),
     )
@@ -347,32 +353,10 @@ def without_machine_settings(config: cfg.ExperimentConfig, keep: Sequence[str] =
     return dataclasses.replace(config, training=dataclasses.replace(config.training, grad_accum_steps=1, **unset))
 
 
-class _RayInfoOffConsole(logging.Filter):
-    """Drops Ray's own records below WARNING (Ray Train logs a line for every report on every worker, under a logger
-    named by its file, which its LoggingConfig does not reach); its log files under the session's logs/train/ keep
-    them."""
-
-    def __init__(self, ray_dir: str) -> None:
-        super().__init__()
-        self.ray_dir = ray_dir
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or not record.pathname.startswith(self.ray_dir)
-
-
-def _ray_info_off_console() -> None:
-    """On a worker: the console handlers Ray gave the root logger (not its files) drop Ray's INFO lines."""
-    import ray
-
-    quiet = _RayInfoOffConsole(os.path.dirname(ray.__file__))
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-            handler.addFilter(quiet)
-
-
 def _worker_loop(job: dict) -> None:
     import ray.train
 
+    from raytrm.distributed.run_logs import DRIVER_LOG, LOGS_DIR, worker_logs
     from raytrm.hardware import device as devices
     from raytrm.sync.process_group import ProcessGroupSync
     from raytrm.sync.shares import split
@@ -380,11 +364,9 @@ def _worker_loop(job: dict) -> None:
     from raytrm.train.run import CHECKPOINT_DIR, run_training
 
     rank = ray.train.get_context().get_world_rank()
-    # Rank 0 speaks for the run; the others say only what goes wrong (Ray forwards every worker's output).
-    level = os.environ.get(LOG_LEVEL_ENV, DEFAULT_LOG_LEVEL).upper() if rank == 0 else "WARNING"
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")  # no-op where Ray set a handler
-    logging.getLogger("raytrm").setLevel(level)
-    _ray_info_off_console()
+    run_dir = Path(job["run_dir"])
+    # Rank 0 speaks for the run, the others say only what goes wrong; every worker's INFO lines go to its log file.
+    worker_logs(run_dir, rank, quiet=not job["progress"], level=os.environ.get(LOG_LEVEL_ENV, DEFAULT_LOG_LEVEL))
     tier = _node_tier()
     config = worker_config(job, tier)
     sync = ProcessGroupSync(devices.pick_device(config.training.device))
@@ -392,10 +374,15 @@ def _worker_loop(job: dict) -> None:
     speeds = [row[0] for row in sync.gather_floats([job["weights"].get(tier, 0.0)])]
     global_batch = config.training.global_batch_size
     shares = split(global_batch, speeds) if all(s > 0 for s in speeds) else split(global_batch, [1.0] * len(speeds))
-    run_dir = Path(job["run_dir"])
     # A restart after a lost worker finds this run's checkpoints (a fresh run started without any): resume.
     found = bool(ckpt.list_checkpoints(run_dir / CHECKPOINT_DIR)) if rank == 0 else None
-    resume = job["resume"] or bool(sync.broadcast_object(found))
+    restarted = bool(sync.broadcast_object(found)) and not job["resume"]
+    resume = job["resume"] or restarted
+    if restarted and rank == 0 and not job["driver_restarts"]:  # Ray Train's account is in the log, not in sight
+        logger.warning(
+            "the workers restarted after a failure (Ray's account: %s); resuming from the last checkpoint",
+            run_dir / LOGS_DIR / DRIVER_LOG,
+        )
     logger.info("worker %d on tier %s: share %d of %d", rank, tier, shares[rank], global_batch)
 
     # Nothing is reported to Ray Train: the run directory holds the checkpoints and metrics, and a report blocks

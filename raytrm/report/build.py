@@ -14,7 +14,7 @@ import numpy as np
 
 from raytrm import config as cfg
 from raytrm.errors import UserError
-from raytrm.report.diagnosis import NOT_RECORDED, Finding, diagnose
+from raytrm.report.diagnosis import NOT_RECORDED, Finding, diagnose, log_lines
 from raytrm.report.plots import write_run_plots
 from raytrm.report.runs import RunRecord, load_run
 from raytrm.report.sync import sync_lines
@@ -108,6 +108,7 @@ def format_diagnosis(
     else:
         lines.append("no limit found in what was recorded")
     lines.append(f"not recorded, so not diagnosed: {'; '.join(NOT_RECORDED)}")
+    lines += log_lines(record)
     lines.append(_plot_line(out_dir, plots))
     lines += skipped
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrm.config import THERMAL_STATES
+from raytrm.distributed.run_logs import DRIVER_LOG, LOGS_DIR
 from raytrm.report.runs import RunRecord
 from raytrm.train import health
 from raytrm.train.thermal_guard import GuardSettings
@@ -279,6 +280,19 @@ def health_findings(record: RunRecord) -> list[Finding]:
     """What the run's health checks found as it trained, in their own words (the warning line's reason and fix)."""
     found = [health.Finding.from_event(event) for event in record.events]
     return [Finding(f.name, f"{f.reason} (step {f.step})", f.fix) for f in found if f is not None]
+
+
+def log_lines(record: RunRecord) -> list[str]:
+    """Where the lines the terminal did not show are: a distributed run's log files (RUN_DIR/logs)."""
+    logs = record.run_dir / LOGS_DIR
+    found = sorted(
+        logs.glob("*.log"), key=lambda p: (p.name != DRIVER_LOG, int("".join(filter(str.isdigit, p.name)) or 0))
+    )
+    if not found:
+        return []
+    return [
+        f"logs in {logs}: {', '.join(p.name for p in found)} (the driver's and Ray's lines, each worker's INFO lines)"
+    ]
 
 
 def stop_findings(record: RunRecord) -> list[Finding]:

@@ -1,23 +1,35 @@
 """Training health, live: the detectors that say a run is not learning, as one hook of the training loop.
 
 After every step the hook reads the step's loss (the task's cross-entropy where it reports one: TRM's and the
-language model's `lm_loss`, the classifier's `ce_loss`), its accuracy and the gradient norm before clipping, and runs
-the detectors below on their history. Each finding is one warning line with the likely cause and the fix, built from
-the run's own values (`Finding.line`), and one event in metrics.jsonl (`health-<kind>` with the same `reason` and
-`fix`), which `raytrm report` prints as it is. The thresholds (docs/architecture.md states them for users):
+language model's `lm_loss`, the classifier's `ce_loss`), its accuracy, the gradient norm before clipping and, on the
+steps that measure it (logged ones, and every UPDATE_EVERY-th), the update/weight ratio, and runs the detectors below
+on their history. Each finding is one warning line with the likely cause and the fix, built from the run's own
+values (`Finding.line`), and one event in metrics.jsonl (`health-<kind>` with the same `reason` and `fix`), which
+`raytrm report` prints as it is. The thresholds (docs/architecture.md states them for users):
 
 - not learning: after the lr warm-up, the loss within 2% of the labels' entropy (the loss of predicting the labels'
   frequencies whatever the input: ln 9 on Sudoku, uniform over the digits) and the accuracy within 0.02 of chance
   (the most frequent label's share), for `training.not_learning_steps` steps in a row;
-- non-finite: a loss or gradient norm that is NaN or infinite;
+- non-finite: a loss or gradient norm that is NaN or infinite, at any step;
+- absurd: at any step, the warm-up included, a loss ABSURD times what a uniform guess over the model's outputs costs
+  (ln of the vocabulary or the classes; the labels' entropy where that is unknown). A model starts near ln(V) (the
+  recorded real runs at most 1.5 times it); ten times it puts V^-10 on the right label on average, logits tens of
+  nats wrong, which only weights blown up by an update give;
+- frozen: at any step, the weights not moving. On FROZEN_CHECKS measured steps in a row the update/weight ratio, taken
+  at the configured lr (the warm-up's and the schedule's lower lr scaled back up: Adam's update is proportional to
+  lr), under FROZEN_RATIO, the rounding of a float32 weight, so the updates are lost to it; or the loss the same to
+  LOSS_ROUNDING of itself for WINDOW steps in a row (the same batch on weights that do not change);
 - spike: after the warm-up, a loss above the median of the last WINDOW steps by half that median and a tenth of the
   entropy, or a gradient norm SPIKE_GRAD times its median over them;
 - rising: after the warm-up, the median loss of the last WINDOW steps 20% and a tenth of the entropy above the
   lowest such median of the run;
 - plateau: the median loss of the last WINDOW steps less than 1% below the one `training.plateau_steps` steps before.
 
-Each kind fires once a run. `halt_on` names the kinds that end the run: a tuning trial stops when it is not learning
-or non-finite; `raytrm train` with `training.early_stop` stops on those and on a plateau.
+Each kind fires once a run. `halt_on` names the kinds that end the run: a tuning trial stops when it is not learning,
+non-finite or frozen (a run that cannot learn: its quality at the end would be the untrained model's, after the
+trial's whole budget); an absurd loss does not stop it, as a run can come back from one and, if it does not, the
+plateau or the overflow that follows stops it. `raytrm train` with `training.early_stop` stops on those three and
+on a plateau.
 """
 
 from __future__ import annotations
@@ -47,21 +59,30 @@ PLATEAU = 0.01  # a fall smaller than this share over plateau_steps
 ENTROPY_SHARE = 0.1  # spikes and rises must also exceed this share of the entropy (small losses are noisy)
 DEFAULT_SCALE = 0.05  # that margin, in nats, where the labels' entropy is unknown
 BASELINE_EXAMPLES = 256  # training examples whose labels give the entropy and chance
+ABSURD = 10.0  # a loss this many times a uniform guess's
+FROZEN_RATIO = 2.0**-24  # half a float32 ulp, relative: a weight's update smaller than this rounds away
+FROZEN_CHECKS = 3  # measured steps in a row: one step may update nothing by design (a skipped step), three do not
+LOSS_ROUNDING = 1e-6  # a loss that moves less than this share of itself moves only by float32 rounding
+UPDATE_EVERY = 10  # steps between measures of the update ratio where no metrics row asks for one (a trial)
+FAR_BELOW = 10.0  # an lr this many times under the size rule's is far below it
 
 NOT_LEARNING, NON_FINITE, SPIKE, RISING, PLATEAU_KIND = "not-learning", "non-finite", "spike", "rising", "plateau"
+ABSURD_KIND, FROZEN = "absurd-loss", "frozen"
 #: Each kind's name in a report.
 NAMES = {
     NOT_LEARNING: "not learning",
     NON_FINITE: "non-finite loss",
+    ABSURD_KIND: "absurd loss",
+    FROZEN: "weights frozen",
     SPIKE: "loss spike",
     RISING: "loss rising",
     PLATEAU_KIND: "plateau",
 }
 EVENT_PREFIX = "health-"
-#: What a tuning trial halts on: a run that will not learn.
-TRIAL_HALTS = (NOT_LEARNING, NON_FINITE)
+#: What a tuning trial halts on: a run that will not or cannot learn.
+TRIAL_HALTS = (NOT_LEARNING, NON_FINITE, FROZEN)
 #: What `training.early_stop` halts `raytrm train` on.
-EARLY_STOP_HALTS = (NOT_LEARNING, NON_FINITE, PLATEAU_KIND)
+EARLY_STOP_HALTS = (NOT_LEARNING, NON_FINITE, FROZEN, PLATEAU_KIND)
 
 
 @dataclasses.dataclass
@@ -111,11 +132,21 @@ class Context:
     not_learning_steps: int = 40
     plateau_steps: int = 200
     early_stop: bool = False
+    outputs: int | None = None  # what the model chooses each label from: its vocabulary, or the classes
 
     @property
     def scale(self) -> float:
         """The smallest change of the loss that counts: a tenth of the entropy."""
         return ENTROPY_SHARE * self.entropy if self.entropy else DEFAULT_SCALE
+
+    def guess(self) -> tuple[float, str] | None:
+        """What a uniform guess over the outputs costs, in nats and in words (else the labels' entropy, which no
+        larger vocabulary lowers); None where neither is known."""
+        if self.outputs and self.outputs > 1:
+            return math.log(self.outputs), f"ln({self.outputs})={math.log(self.outputs):.3f}, a uniform guess"
+        if self.entropy:
+            return self.entropy, f"{self.entropy_text()}, the labels' frequencies"
+        return None
 
     def entropy_text(self) -> str:
         assert self.entropy is not None
@@ -127,6 +158,15 @@ class Context:
         if self.suggested_lr and self.suggested_lr < 0.9 * self.lr:
             return f"lower training.lr (now {self.lr:.3g}; the size rule gives {self.suggested_lr:.2g} for this model)"
         return f"lower training.lr (now {self.lr:.3g}; try {self.lr / 3:.2g})"
+
+    def raise_lr(self) -> str:
+        if self.suggested_lr and self.lr * FAR_BELOW < self.suggested_lr:
+            return (
+                f"raise training.lr (--lr): {self.lr:.3g} is far below the size rule's {self.suggested_lr:.2g} for "
+                "this model"
+            )
+        rule = f"; the size rule gives {self.suggested_lr:.2g} for this model" if self.suggested_lr else ""
+        return f"raise training.lr (--lr, now {self.lr:.3g}{rule})"
 
     def clip(self) -> str:
         return (
@@ -145,14 +185,33 @@ class HealthMonitor:
         self.medians: deque[float] = deque(maxlen=context.plateau_steps + 1)
         self.lowest: float | None = None
         self.at_chance = 0  # steps in a row at the entropy and chance, after the warm-up
+        self.recent: deque[float] = deque(maxlen=WINDOW)  # the last steps' losses, for the frozen check
+        self.still: list[tuple[int, float]] = []  # (step, ratio at the configured lr) of measured steps in a row
+        self.observed = 0
 
-    def observe(self, step: int, loss: float, accuracy: float | None, grad_norm: float | None) -> list[Finding]:
-        """The findings of the step that just ended (step: the steps done, this one included)."""
+    def observe(
+        self,
+        step: int,
+        loss: float,
+        accuracy: float | None,
+        grad_norm: float | None,
+        update_ratio: float | None = None,
+        lr: float | None = None,
+    ) -> list[Finding]:
+        """The findings of the step that just ended (step: the steps done, this one included; update_ratio where the
+        step measured it; lr: the step's, the configured one where not given)."""
         c = self.context
+        self.observed += 1
         found = []
         if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
             found.append(self._non_finite(step, loss, grad_norm))
             return [f for f in found if self._first(f)]
+        absurd = self._absurd(step, loss)
+        if absurd is not None:
+            found.append(absurd)
+        frozen = self._frozen(step, loss, grad_norm, update_ratio, c.lr if lr is None else lr)
+        if frozen is not None:
+            found.append(frozen)
         warmed = step > c.warmup_steps
         if warmed and self._at_chance(loss, accuracy):
             self.at_chance += 1
@@ -209,6 +268,64 @@ class HealthMonitor:
             f"loss is {loss:.3g} at step {step}{grad}: an update overflowed, and the weights are lost from here",
             f"{c.lower_lr()}, {c.clip()}{dtype}",
         )
+
+    def _absurd(self, step: int, loss: float) -> Finding | None:
+        c = self.context
+        guess = c.guess()
+        if guess is None or loss <= ABSURD * guess[0]:
+            return None
+        times = f"{loss / guess[0]:.0f} times {guess[1]}"
+        if self.observed == 1:  # its loss is of the weights the run started from: no update of its own yet
+            return Finding(
+                ABSURD_KIND,
+                step,
+                f"loss is {loss:.3g} at step {step}, {times}, before any update: the weights the run started from "
+                "predict the labels confidently wrong",
+                "check the checkpoint it resumed from (--resume) and that the data's labels are the task's",
+            )
+        return Finding(
+            ABSURD_KIND,
+            step,
+            f"loss is {loss:.3g} at step {step}, {times}: an update blew the weights up"
+            + (" inside the lr warm-up" if step <= c.warmup_steps else ""),
+            c.lower_lr() + ("" if c.grad_clip else f", {c.clip()}"),
+        )
+
+    def _frozen(
+        self, step: int, loss: float, grad_norm: float | None, ratio: float | None, lr: float
+    ) -> Finding | None:
+        c = self.context
+        self.recent.append(loss)
+        if ratio is not None and lr > 0 and math.isfinite(ratio):
+            at_lr = ratio * c.lr / lr  # Adam's update scales with lr: what the configured lr moves
+            self.still = [*self.still, (step, at_lr)][-FROZEN_CHECKS:] if at_lr < FROZEN_RATIO else []
+        grad = f" (gradient norm {grad_norm:.3g})" if grad_norm is not None else ""
+        fix = (
+            "the loss sends no gradient to the weights: check the data's labels and the model"
+            if grad_norm == 0
+            else c.raise_lr()
+        )
+        if len(self.still) >= FROZEN_CHECKS:
+            first, _ = self.still[0]
+            largest = max(r for _, r in self.still)
+            return Finding(
+                FROZEN,
+                step,
+                f"the updates moved the weights by at most {largest:.2g} of their norm a step over "
+                f"{FROZEN_CHECKS} measured steps ({first} to {step}) at lr {c.lr:.3g}{grad}, under a float32 "
+                f"weight's rounding ({FROZEN_RATIO:.2g}): the loss cannot move",
+                fix,
+            )
+        spread = max(self.recent) - min(self.recent)
+        if len(self.recent) == WINDOW and loss > c.scale and spread <= LOSS_ROUNDING * loss:
+            return Finding(
+                FROZEN,
+                step,
+                f"loss has stayed at {loss:.6g} (within {spread / loss:.1g} of itself) for {WINDOW} steps up to "
+                f"step {step}{grad}: the weights are not moving",
+                fix,
+            )
+        return None
 
     def _spike(self, step: int, loss: float, grad_norm: float | None) -> Finding | None:
         c = self.context
@@ -285,6 +402,15 @@ def label_baseline(data: Any, examples: int = BASELINE_EXAMPLES) -> tuple[float,
     return entropy, float(shares.max()), classes if uniform else None
 
 
+def output_count(data: Any) -> int | None:
+    """How many values the model chooses each label from: the classes of a classifier, else the vocabulary."""
+    meta = getattr(data, "metadata", None)
+    if getattr(meta, "task", None) == "classify":
+        return int(meta.num_classes)
+    vocab = getattr(meta, "vocab_size", None)
+    return int(vocab) if vocab else None
+
+
 class Health(Hook):
     """The detectors as a hook: every worker watches the same summed loss and gradient, rank 0 warns and records.
 
@@ -314,17 +440,24 @@ class Health(Hook):
                 not_learning_steps=train.not_learning_steps,
                 plateau_steps=train.plateau_steps,
                 early_stop=train.early_stop,
+                outputs=output_count(trainer.train_data),
             )
         )
 
     def before_step(self, loop: Loop) -> None:
-        self.trainer.watch_update = loop.logged(self.trainer.step + 1)
+        upcoming = self.trainer.step + 1
+        self.trainer.watch_update = loop.logged(upcoming) or upcoming % UPDATE_EVERY == 0
 
     def end_step(self, loop: Loop, step: Step) -> Stop | None:
         assert self.monitor is not None
-        result = step.result
+        result, trainer = step.result, self.trainer
         found = self.monitor.observe(
-            self.trainer.step, task_loss(result), result.metrics.get("accuracy"), result.grad_norm
+            trainer.step,
+            task_loss(result),
+            result.metrics.get("accuracy"),
+            result.grad_norm,
+            update_ratio=result.update_ratio,
+            lr=trainer.current_lr,
         )
         for finding in found:
             self.findings.append(finding)

@@ -54,9 +54,17 @@ def _plain(record: dict[str, Any]) -> dict[str, Any]:
         if hasattr(value, "item"):
             value = value.item()
         if isinstance(value, float):
-            value = round(value, 6) if math.isfinite(value) else None
+            value = _rounded(value) if math.isfinite(value) else None
         out[key] = value
     return out
+
+
+def _rounded(value: float) -> float:
+    """Six decimals, or six significant digits where those keep more: an lr of 1e-12 or an update ratio of 3e-11
+    would read 0 at six decimals."""
+    if value == 0:
+        return 0.0
+    return round(value, max(6, 5 - math.floor(math.log10(abs(value)))))
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

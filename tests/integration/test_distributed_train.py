@@ -130,6 +130,9 @@ def test_a_lost_worker_restarts_the_group_from_the_last_checkpoint(ray_cluster, 
     runner.join(timeout=400)
     assert done["summary"]["steps"] == 60
     assert done["summary"]["resumed_from_step"] is not None and done["summary"]["resumed_from_step"] >= 2
+    # Ray Train's account of the restart is in the run's log, off the terminal: rank 0 warns of it itself
+    restarted = f"the workers restarted after a failure (Ray's account: {run_dir / 'logs' / 'driver.log'})"
+    assert restarted in (run_dir / "logs" / "worker-0.log").read_text()
     run_training(config, tmp_path / "straight")
     assert_same_training(tmp_path / "straight", run_dir, config.training.lr)
 

@@ -181,6 +181,37 @@ def test_the_sync_choices_and_the_share_of_waiting_over_time(write_run, capsys):
     assert_png(run / "report" / "throughput.png")
 
 
+def test_a_distributed_runs_report_names_its_log_files(write_run, capsys):
+    run = write_run([line(s, workers=rows([0.9, 0.9], [0.05, 0.05])) for s in range(1, 5)])
+    (run / "logs").mkdir()
+    for name in ("worker-10.log", "driver.log", "worker-2.log", "worker-0.log"):
+        (run / "logs" / name).write_text("22:38:24 INFO raytrm.hardware.device: device cpu\n")
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert (
+        f"logs in {run / 'logs'}: driver.log, worker-0.log, worker-2.log, worker-10.log (the driver's and Ray's "
+        "lines, each worker's INFO lines)" in out
+    )
+
+
+def test_the_new_health_findings_read_in_the_report_with_their_fix(write_run, capsys):
+    frozen = {
+        "step": 30,
+        "event": "health-frozen",
+        "reason": "the updates moved the weights by at most 2e-13",
+        "fix": "raise training.lr (--lr)",
+    }
+    absurd = {"step": 2, "event": "health-absurd-loss", "reason": "loss is 367 at step 2", "fix": "lower training.lr"}
+    run = write_run([line(1), absurd, line(2), line(3), frozen])
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "- absurd loss: loss is 367 at step 2 (step 2)\n  fix: lower training.lr" in out
+    assert (
+        "- weights frozen: the updates moved the weights by at most 2e-13 (step 30)\n  fix: raise training.lr (--lr)"
+        in out
+    )
+
+
 def test_a_slow_worker_shows_as_waiting_not_as_sync(write_run):
     # Worker 1 finishes its share in half the time and waits in the all-reduce for worker 0.
     found = findings(write_run([line(s, workers=rows([1.0, 0.5], [0.05, 0.55])) for s in range(1, 6)]))

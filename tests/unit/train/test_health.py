@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from raytrm import config as cfg
+from raytrm.constants import CACHE_DIR_ENV
 from raytrm.report import diagnose, load_run
 from raytrm.train import health
 from raytrm.train.health import Context, Finding, HealthMonitor
+from raytrm.train.metrics import read_metrics
 from raytrm.train.run import METRICS_FILE, run_training
 from raytrm.train.trainer import StepResult, Trainer
 from raytrm.tune import objectives
@@ -76,7 +78,7 @@ def test_not_learning_fires_after_the_warmup_and_names_the_values_of_the_run():
 
 
 def test_a_run_that_leaves_the_entropy_in_time_is_not_called_not_learning():
-    history = [(LN9, 1 / 9, 0.1)] * 55 + _healthy(200)[40:]
+    history = [(LN9 + 0.001 * (s % 3), 1 / 9, 0.1) for s in range(55)] + _healthy(200)[40:]
     assert _run(HealthMonitor(_context()), history) == []
 
 
@@ -86,6 +88,83 @@ def test_non_finite_fires_once():
     assert [(f.kind, f.step) for f in found] == [("non-finite", 51)]
     assert "loss is nan at step 51 (gradient norm inf)" in found[0].reason
     assert "train in float32 (training.dtype, now bfloat16)" in found[0].fix
+
+
+def test_an_absurd_loss_inside_the_warmup_fires_once_at_its_step():
+    history = _healthy(100)
+    history[1] = (367.0, 0.05, 40.0)  # step 2, inside the 20 steps of the warm-up
+    found = _run(HealthMonitor(_context(outputs=11)), history)
+    assert [(f.kind, f.step) for f in found] == [("absurd-loss", 2)]
+    assert found[0].reason == (
+        "loss is 367 at step 2, 153 times ln(11)=2.398, a uniform guess: an update blew the weights up inside the lr "
+        "warm-up"
+    )
+    assert found[0].fix == (
+        "lower training.lr (now 0.003; the size rule gives 0.00038 for this model), clip the gradient "
+        "(training.grad_clip, now off; 1.0 is usual)"
+    )
+    (clipped,) = _run(HealthMonitor(_context(outputs=11, grad_clip=1.0)), history)
+    assert clipped.fix == "lower training.lr (now 0.003; the size rule gives 0.00038 for this model)"
+
+
+def test_an_absurd_loss_is_ten_times_a_uniform_guess_or_the_labels_entropy_where_the_outputs_are_unknown():
+    quiet = _healthy(30)
+    quiet[0] = (10 * math.log(11) - 0.01, 0.05, 1.0)
+    assert _run(HealthMonitor(_context(outputs=11)), quiet) == []
+    (found,) = _run(HealthMonitor(_context()), [(10 * LN9 + 0.01, 0.05, 1.0), *_healthy(30)])
+    assert found.reason.startswith("loss is 22 at step 1, 10 times ln(9)=2.197, the labels' frequencies, before any ")
+    assert found.fix.startswith("check the checkpoint it resumed from (--resume)")
+
+
+def _measured(ratio: float, steps: int = 60, every: int = 10) -> list[tuple[float, float, float, float | None]]:
+    """A healthy history whose every `every`-th step measured this update ratio."""
+    return [(*row, ratio if s % every == 0 else None) for s, row in enumerate(_healthy(steps), start=1)]
+
+
+def _run_measured(monitor: HealthMonitor, history, lrs=None) -> list[Finding]:
+    found = []
+    for step, (loss, accuracy, grad, ratio) in enumerate(history, start=1):
+        lr = lrs(step) if lrs else None
+        found += monitor.observe(step, loss, accuracy, grad, update_ratio=ratio, lr=lr)
+    return found
+
+
+def test_weights_that_do_not_move_are_frozen_after_three_measured_steps_with_the_fix():
+    found = _run_measured(HealthMonitor(_context(lr=1e-12, suggested_lr=3e-3)), _measured(2e-11))
+    assert [(f.kind, f.step) for f in found] == [("frozen", 30)]
+    assert found[0].reason.startswith(
+        "the updates moved the weights by at most 2e-11 of their norm a step over 3 measured steps (10 to 30) at lr "
+        "1e-12 (gradient norm "
+    )
+    assert found[0].reason.endswith("under a float32 weight's rounding (6e-08): the loss cannot move")
+    assert found[0].fix == "raise training.lr (--lr): 1e-12 is far below the size rule's 0.003 for this model"
+
+
+def test_a_small_update_inside_the_warmup_or_at_the_end_of_a_schedule_is_not_frozen():
+    # A 1000-step warm-up's first steps move the weights little; at the configured lr they would move enough.
+    warmup = HealthMonitor(_context(warmup_steps=1000))
+    assert _run_measured(warmup, _measured(1e-8), lrs=lambda step: 3e-3 * step / 1000) == []
+    # A cosine schedule down to 0 ends on a step that updates nothing: its lr says why.
+    assert _run_measured(HealthMonitor(_context()), _measured(0.0), lrs=lambda step: 0.0) == []
+    # A measured step that moves breaks the row.
+    history = _measured(1e-11)
+    history[19] = (*history[19][:3], 1e-3)
+    assert _run_measured(HealthMonitor(_context()), history[:40]) == []  # 10, then 30 and 40: two in a row
+
+
+def test_a_loss_that_does_not_move_by_more_than_rounding_is_frozen():
+    history = [(2.5 * (1 + 1e-7 * (s % 2)), 0.1, 0.4) for s in range(30)]
+    found = _run(HealthMonitor(_context(warmup_steps=100, lr=3e-3, suggested_lr=3e-3)), history)
+    assert [(f.kind, f.step) for f in found] == [("frozen", 20)]
+    assert found[0].reason == (
+        "loss has stayed at 2.5 (within 1e-07 of itself) for 20 steps up to step 20 (gradient norm 0.4): the weights "
+        "are not moving"
+    )
+    assert found[0].fix == "raise training.lr (--lr, now 0.003; the size rule gives 0.003 for this model)"
+    # A zero gradient is the cause where there is one; a loss at 0 is learned, not frozen.
+    (zero,) = _run(HealthMonitor(_context()), [(2.5, 0.1, 0.0)] * 20)
+    assert zero.fix == "the loss sends no gradient to the weights: check the data's labels and the model"
+    assert _run(HealthMonitor(_context()), [(0.0, 1.0, 0.0)] * 40) == []
 
 
 def test_a_loss_spike_and_a_gradient_spike():
@@ -107,7 +186,7 @@ def test_a_rising_loss():
 
 
 def test_a_plateau_and_its_early_stop_text():
-    history = _healthy(120) + [(0.62, 0.8, 0.5)] * 300
+    history = _healthy(120) + [(0.62 + 0.001 * (s % 3), 0.8, 0.5) for s in range(300)]
     found = _run(HealthMonitor(_context(plateau_steps=200)), history)
     assert [f.kind for f in found] == ["plateau"]
     assert "less than 1% down: a plateau at lr 0.003" in found[0].reason
@@ -124,14 +203,16 @@ def test_the_labels_entropy_and_chance_of_sudoku(tiny):
 
 
 def _stuck_at_the_entropy(monkeypatch) -> None:
-    """Steps that report a loss at ln 9 and chance accuracy, as a run with too high an lr does."""
+    """Steps that report a loss at ln 9 and chance accuracy, as a run with too high an lr does: each batch's loss a
+    little apart (a loss the same to rounding at every step is frozen)."""
 
     def train_step(self, batch=None, on_out_of_memory=None):
         self.step += 1
         self.samples_seen += self.global_batch
         self.samples_seen_this_run += self.global_batch
-        metrics = {"lm_loss": LN9, "accuracy": 1 / 9}
-        return StepResult(self.step, LN9 + 0.001, metrics, 0.01, self.global_batch, grad_norm=0.2)
+        loss = LN9 + 0.001 * (self.step % 3)
+        metrics = {"lm_loss": loss, "accuracy": 1 / 9}
+        return StepResult(self.step, loss + 0.001, metrics, 0.01, self.global_batch, grad_norm=0.2)
 
     monkeypatch.setattr(Trainer, "train_step", train_step)
 
@@ -174,6 +255,49 @@ def test_a_trial_that_is_not_learning_is_recorded_as_such(tiny, monkeypatch):
     assert result["health"][0]["event"] == "health-not-learning"
     constraints = objectives.constraints(result)
     assert constraints["learning"] == 1.0 and not objectives.is_feasible(constraints)
+
+
+def test_a_run_at_lr_1e_12_warns_that_its_weights_are_frozen_and_the_report_says_so(tiny, tmp_path, caplog):
+    run = tmp_path / "run"
+    config = tiny(training={"steps": 3, "lr": 1e-12})  # every step logged, so measured
+    with caplog.at_level(logging.WARNING, logger="raytrm.train.health"):
+        run_training(config, run)
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "raytrm.train.health"]
+    assert warning.startswith("step 3: the updates moved the weights by at most ")
+    assert "over 3 measured steps (1 to 3) at lr 1e-12" in warning
+    assert warning.endswith("raise training.lr (--lr): 1e-12 is far below the size rule's 0.003 for this model")
+    (finding,) = [f for f in diagnose(load_run(run)) if f.name == "weights frozen"]
+    assert finding.fix.endswith("far below the size rule's 0.003 for this model") and "(step 3)" in finding.measured
+
+
+def test_a_trial_whose_weights_are_frozen_stops_as_not_learning(tiny, monkeypatch):
+    """A trial writes no metrics rows: the health check measures the update every UPDATE_EVERY steps itself."""
+    monkeypatch.setattr(health, "UPDATE_EVERY", 1)
+    result = measure(
+        cfg.to_dict(tiny(training={"lr": 1e-12})),
+        warmup_s=0.0,
+        measure_s=600.0,
+        memory_budget_mb=None,
+        thermal_cap=None,
+        max_throughput_decay=1.0,
+        eval_puzzles=16,
+    )
+    assert result["status"] == "not_learning" and result["steps"] == 3
+    assert [e["event"] for e in result["health"]] == ["health-frozen"]
+
+
+@pytest.mark.slow
+def test_the_embedded_default_at_lr_1e_12_is_frozen_by_step_30(tmp_path, monkeypatch, capsys):
+    """`raytrm train --steps 30 --lr 1e-12`: the update measured on the logged steps 10, 20 and 30."""
+    from raytrm.cli import main
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "30", "--lr", "1e-12", "--quiet", "--out", str(run)]) == 0
+    events = [e for e in read_metrics(run / METRICS_FILE) if str(e.get("event", "")).startswith("health-")]
+    assert [(e["event"], e["step"]) for e in events] == [("health-frozen", 30)]
+    assert "over 3 measured steps (10 to 30) at lr 1e-12" in events[0]["reason"]
+    assert events[0]["fix"] == "raise training.lr (--lr): 1e-12 is far below the size rule's 0.003 for this model"
 
 
 def test_a_step_reports_the_gradient_norm_before_clipping_and_the_update_ratio(tiny):
