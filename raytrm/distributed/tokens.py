@@ -131,10 +131,10 @@ def _make_private(path: Path, mode: int) -> None:
         path.chmod(0o600)
     except OSError as e:
         raise UserError(
-            f"the cluster token at {path} is readable by others (mode {mode:04o}) and cannot be made private here "
+            f"the cluster token at {path} is open to other users (mode {mode:04o}) and cannot be made private here "
             f"({e.strerror or e}); run `chmod 600 {path}` as its owner"
         ) from None
-    logger.warning("the cluster token at %s was readable by others (mode %04o): now 0600", path, mode)
+    logger.warning("the cluster token at %s was open to other users (mode %04o): now 0600", path, mode)
 
 
 def ray_environment(token_path: Path, platform: str = sys.platform) -> dict[str, str]:

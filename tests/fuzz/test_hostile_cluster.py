@@ -104,7 +104,7 @@ def test_1_a_local_run_leaves_its_token_private(home, monkeypatch, caplog, befor
     assert mode(home) == 0o600 and len(home.read_text()) == 64
     if before != "none":
         assert home.read_text() == TOKEN
-        assert f"the cluster token at {home} was readable by others (mode 0644): now 0600" in caplog.messages
+        assert f"the cluster token at {home} was open to other users (mode 0644): now 0600" in caplog.messages
 
 
 def test_1_rays_own_token_writer_is_what_this_guards_against(tmp_path, monkeypatch):
@@ -137,7 +137,7 @@ def test_2_a_token_others_can_read_is_made_private_with_a_warning(home, caplog, 
         line = refused(*commands(port, home)[command])
     assert line.endswith(f"cannot reach a Ray head there (Connection refused); {REACH}")
     assert mode(home) == 0o600 and home.read_text() == TOKEN
-    assert f"the cluster token at {home} was readable by others (mode 0644): now 0600" in caplog.messages
+    assert f"the cluster token at {home} was open to other users (mode 0644): now 0600" in caplog.messages
 
 
 def copy_fix(token: Path) -> str:
@@ -200,7 +200,7 @@ def test_2_a_token_this_user_cannot_make_private_is_refused_with_the_chmod(home,
     monkeypatch.setattr(type(home), "chmod", not_owner)
     with closed_port() as port:
         assert refused("cluster", "join", f"127.0.0.1:{port}") == (
-            f"raytrm: error: the cluster token at {home} is readable by others (mode 0644) and cannot be made private "
+            f"raytrm: error: the cluster token at {home} is open to other users (mode 0644) and cannot be made private "
             f"here (Operation not permitted); run `chmod 600 {home}` as its owner"
         )
     assert mode(home) == 0o644 and home.read_text() == TOKEN

@@ -49,7 +49,7 @@ def test_a_token_others_can_read_is_made_private_with_a_warning(tmp_path, caplog
     assert mode(token) == (0o600 if readable & 0o077 else readable)
     if readable & 0o077:
         assert caplog.messages == [
-            f"the cluster token at {token} was readable by others (mode {readable:04o}): now 0600"
+            f"the cluster token at {token} was open to other users (mode {readable:04o}): now 0600"
         ]
     else:  # only its owner could read it: left as it was, and nothing said
         assert caplog.messages == []
@@ -67,7 +67,7 @@ def test_a_token_this_user_cannot_make_private_is_refused_with_the_chmod_to_run(
     with pytest.raises(UserError) as refused:
         tokens.read_token(token)
     assert str(refused.value) == (
-        f"the cluster token at {token} is readable by others (mode 0644) and cannot be made private here (Operation "
+        f"the cluster token at {token} is open to other users (mode 0644) and cannot be made private here (Operation "
         f"not permitted); run `chmod 600 {token}` as its owner"
     )
 
