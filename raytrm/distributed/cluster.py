@@ -76,7 +76,7 @@ def connect(address: str | None, dashboard: bool = False) -> bool:
 
     Without an address, a driver that Ray started for a job (RAY_ADDRESS set) joins the job's cluster, as
     `--address auto` would; elsewhere a local Ray is started. A cluster made by `raytrm cluster` wants its token: with
-    one on this Mac, token authentication is turned on. A local Ray finds its token made private before it starts
+    one on this Mac, token authentication is turned on. A local Ray finds its token made 0600 before it starts
     (else Ray writes one that every user can read). dashboard starts a local Ray with its dashboard, whose state
     API Ray Train's placement-group cleaner polls (without it, the cleaner warns every second); tuning does without
     and saves its memory.

@@ -1,14 +1,15 @@
 """Cluster token files: one rule for every token file raytrm, or the Ray it starts, writes or reads.
 
-Each is mode 0600: created so, or tightened with a warning when others can read it, or refused with the chmod to
-run where this user cannot change it. A file that is missing, empty, unreadable, a directory or not a token is one
-line, and the token itself is never shown. Ray's token authentication is on for every node and driver that holds
-one, and for a local Ray (whose token raytrm makes before Ray would write a readable one).
+Each is private to its owner (mode 0600): raytrm creates its own so, and refuses one that other users could read or
+replace, with the `chmod 600` to run. It never changes a file's mode behind the user's back, and a refusal is one
+line (a fix made for the user would print a second line beside any error that follows). A file that is missing,
+empty, unreadable, a directory or not a token is one line too, and the token itself is never shown. Ray's token
+authentication is on for every node and driver that holds one, and for a local Ray, whose token raytrm makes
+before Ray would write one every user can read.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import secrets
@@ -17,8 +18,6 @@ import sys
 from pathlib import Path
 
 from raytrm.errors import UserError
-
-logger = logging.getLogger(__name__)
 
 # Ray's own environment knobs that a raytrm node sets for `ray start` (declared by Ray, named here once).
 RAY_AUTH_MODE_ENV, RAY_TOKEN_PATH_ENV, RAY_TOKEN_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"
@@ -37,7 +36,7 @@ def default_token_path() -> Path:
 def ensure_token(path: Path) -> bool:
     """The head's token at path, created (a random 256-bit hex string, mode 0600) if missing; True if created.
 
-    An existing token is kept (nodes that joined with it keep working), checked and made private as read_token does.
+    An existing token is kept (nodes that joined with it keep working) once read_token finds it private and sound.
     """
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,11 +72,11 @@ def _copy_token(path: Path, head: str | None) -> str:
 
 
 def read_token(path: Path, head: str | None = None, fix: str | None = None) -> str:
-    """The token in path, after making the file private (0600): one rule for every token file raytrm reads.
+    """The token in path, once the file is found private to its owner: one rule for every token file raytrm reads.
 
-    A file others can read is tightened to 0600 with a warning, or refused with the chmod to run where this user
-    cannot change it; a missing, empty or unreadable file, a directory, or one that is not a token is one line.
-    The token itself is never shown. fix: what to do about a bad file (default: copy the head's token over).
+    A file other users could read or replace is refused with the chmod to run; a missing, empty or unreadable file,
+    a directory, or one that is not a token is one line. The token itself is never shown. fix: what to do about a
+    bad file (default: copy the head's token over).
     """
     fix = fix or _copy_token(path, head)
     try:
@@ -92,7 +91,7 @@ def read_token(path: Path, head: str | None = None, fix: str | None = None) -> s
     if not stat.S_ISREG(st.st_mode):
         found = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
         raise UserError(f"the cluster token at {path} is {found}, expected a file holding the token; {fix}")
-    _make_private(path, stat.S_IMODE(st.st_mode))
+    _check_private(path, stat.S_IMODE(st.st_mode))
     try:
         with open(path, "rb") as f:
             data = f.read(TOKEN_MAX_BYTES + 1)
@@ -123,18 +122,13 @@ def _token_problem(data: bytes) -> str | None:
     return None
 
 
-def _make_private(path: Path, mode: int) -> None:
-    """Mode 0600 for a token file that others can read, or one line with the chmod to run."""
-    if not mode & 0o077:
-        return
-    try:
-        path.chmod(0o600)
-    except OSError as e:
+def _check_private(path: Path, mode: int) -> None:
+    """One line with the chmod to run where other users could read or replace the token (group or other bits)."""
+    if mode & 0o077:
         raise UserError(
-            f"the cluster token at {path} is open to other users (mode {mode:04o}) and cannot be made private here "
-            f"({e.strerror or e}); run `chmod 600 {path}` as its owner"
-        ) from None
-    logger.warning("the cluster token at %s was open to other users (mode %04o): now 0600", path, mode)
+            f"the cluster token at {path} is open to other users (mode {mode:04o}): anyone on this Mac could read it "
+            f"and drive the cluster; run `chmod 600 {path}` and try again"
+        )
 
 
 def ray_environment(token_path: Path, platform: str = sys.platform) -> dict[str, str]:
@@ -149,8 +143,8 @@ def use_cluster_token(token_file: Path | None = None) -> bool:
     """Turn Ray's token authentication on for this process and its children when this Mac holds a cluster token
     (token_file, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) and RAY_AUTH_MODE says nothing else; True if it did.
 
-    The token file is checked and made private (read_token); a token_file given but missing is one line, while no
-    token at the default places means a cluster without tokens. Ray reads its auth mode when it is imported: call
+    The token file is checked (read_token); a token_file given but missing is one line, while no token at the
+    default places means a cluster without tokens. Ray reads its auth mode when it is imported: call
     this before anything imports ray.
     """
     mode = os.environ.get(RAY_AUTH_MODE_ENV)
@@ -166,7 +160,8 @@ def use_cluster_token(token_file: Path | None = None) -> bool:
 
 
 def ensure_local_token() -> Path | None:
-    """The token file of a local Ray about to start here, created 0600 (or made private) before Ray looks for it.
+    """The token file of a local Ray about to start here, created 0600 (or checked, as read_token does) before Ray
+    looks for it.
 
     Ray turns token authentication on for a local cluster unless RAY_AUTH_MODE says otherwise and, finding no token,
     writes ~/.ray/auth_token with the umask's mode (0644: every user could read it and drive the cluster). Made here

@@ -1,10 +1,10 @@
-"""Cluster token files: made 0600, tightened with a warning or refused with the chmod to run, every bad file one line
-that never shows the token; a local Ray finds its token private (no Ray started, except the one slow test)."""
+"""Cluster token files: made 0600, refused with the chmod to run where other users could read them, every bad file
+one line that never shows the token; a local Ray finds its token private (no Ray started, except the one slow
+test)."""
 
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import stat
 import subprocess
@@ -23,6 +23,21 @@ def mode(path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
+def private(path, data: bytes | str = TOKEN, mode: int = 0o600):
+    """path holding data, mode 0600 unless told: as `scp` and `chmod 600` leave a copied token."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    path.chmod(mode)
+    return path
+
+
+def open_to_others(path, found: int) -> str:
+    return (
+        f"the cluster token at {path} is open to other users (mode {found:04o}): anyone on this Mac could read it and "
+        f"drive the cluster; run `chmod 600 {path}` and try again"
+    )
+
+
 @pytest.fixture
 def environ(monkeypatch):
     """A private copy of the environment without Ray's knobs: what the functions set must not reach other tests."""
@@ -38,46 +53,27 @@ def test_the_head_token_is_created_private_and_kept(tmp_path):
     assert tokens.ensure_token(token) is False and token.read_text() == text  # joined nodes keep working
 
 
-@pytest.mark.parametrize("readable", [0o644, 0o640, 0o604, 0o666, 0o700, 0o444])
-def test_a_token_others_can_read_is_made_private_with_a_warning(tmp_path, caplog, readable):
-    token = tmp_path / "auth_token"
-    token.write_text(TOKEN + "\n")
-    token.chmod(readable)
-    with caplog.at_level(logging.WARNING, logger="raytrm.distributed.tokens"):
-        assert tokens.read_token(token) == TOKEN
-    assert token.read_text() == TOKEN + "\n"
-    assert mode(token) == (0o600 if readable & 0o077 else readable)
-    if readable & 0o077:
-        assert caplog.messages == [
-            f"the cluster token at {token} was open to other users (mode {readable:04o}): now 0600"
-        ]
-    else:  # only its owner could read it: left as it was, and nothing said
-        assert caplog.messages == []
-
-
-def test_a_token_this_user_cannot_make_private_is_refused_with_the_chmod_to_run(tmp_path, monkeypatch):
-    token = tmp_path / "auth_token"
-    token.write_text(TOKEN)
-    token.chmod(0o644)
-
-    def not_owner(self, mode):
-        raise PermissionError(errno.EPERM, "Operation not permitted")
-
-    monkeypatch.setattr(type(token), "chmod", not_owner)
+@pytest.mark.parametrize("found", [0o644, 0o640, 0o604, 0o666, 0o620, 0o602, 0o777, 0o444, 0o060])
+def test_a_token_other_users_could_read_or_replace_is_refused_with_the_chmod_to_run(tmp_path, found):
+    token = private(tmp_path / "auth_token", TOKEN + "\n", found)
     with pytest.raises(UserError) as refused:
         tokens.read_token(token)
-    assert str(refused.value) == (
-        f"the cluster token at {token} is open to other users (mode 0644) and cannot be made private here (Operation "
-        f"not permitted); run `chmod 600 {token}` as its owner"
-    )
+    assert str(refused.value) == open_to_others(token, found)
+    assert mode(token) == found and token.read_text() == TOKEN + "\n"  # left as it was: the user runs the chmod
 
 
-def test_the_head_tightens_its_own_token_as_every_reader_does(tmp_path):
-    token = tmp_path / "auth_token"
-    token.write_text(TOKEN)
-    token.chmod(0o644)  # as Ray writes its own
-    assert tokens.ensure_token(token) is False
-    assert mode(token) == 0o600 and token.read_text() == TOKEN
+@pytest.mark.parametrize("kept", [0o600, 0o400, 0o700])
+def test_a_token_only_its_owner_can_touch_is_read(tmp_path, kept):
+    token = private(tmp_path / "auth_token", TOKEN, kept)
+    assert tokens.read_token(token) == TOKEN and mode(token) == kept
+
+
+def test_the_head_refuses_its_own_token_open_to_others_as_every_reader_does(tmp_path):
+    token = private(tmp_path / "auth_token", TOKEN, 0o644)  # as Ray writes its own
+    with pytest.raises(UserError) as refused:
+        tokens.ensure_token(token)
+    assert str(refused.value) == open_to_others(token, 0o644)
+    assert mode(token) == 0o644 and token.read_text() == TOKEN
 
 
 def test_a_missing_token_says_how_to_bring_it(tmp_path):
@@ -109,21 +105,19 @@ def test_a_missing_token_says_how_to_bring_it(tmp_path):
     ],
 )
 def test_a_token_file_that_is_not_a_token_is_one_line_that_does_not_show_it(tmp_path, content, problem):
-    token = tmp_path / "auth_token"
-    token.write_bytes(content)
+    token = private(tmp_path / "auth_token", content)
     with pytest.raises(UserError) as refused:
         tokens.read_token(token, head="10.0.0.1")
     assert str(refused.value) == (
         f"the cluster token at {token} {problem}, expected one line of letters and digits; copy the head's (`scp "
         f"10.0.0.1:.ray/auth_token {token} && chmod 600 {token}`)"
     )
-    assert token.read_bytes() == content and mode(token) == 0o600  # made private, never rewritten
+    assert token.read_bytes() == content and mode(token) == 0o600  # never rewritten
     assert "ab12" not in str(refused.value) and "cd34" not in str(refused.value)
 
 
 def test_a_token_of_a_single_line_with_spaces_around_is_read_as_ray_reads_it(tmp_path):
-    token = tmp_path / "auth_token"
-    token.write_text(f"  {TOKEN}  \n\n")
+    token = private(tmp_path / "auth_token", f"  {TOKEN}  \n\n")
     assert tokens.read_token(token) == TOKEN
 
 
@@ -134,15 +128,14 @@ def test_a_token_that_is_a_directory_a_fifo_or_unreadable_is_one_line(tmp_path, 
     os.mkfifo(tmp_path / "fifo")  # reading it would wait for a writer forever
     with pytest.raises(UserError, match=r"^the cluster token at .*fifo is not a regular file, expected a file"):
         tokens.read_token(tmp_path / "fifo")
-    (tmp_path / "file").write_text("")
+    private(tmp_path / "file", "")
     with pytest.raises(UserError, match=r"^cannot read the cluster token at .*file/token \(Not a directory\); copy"):
         tokens.read_token(tmp_path / "file" / "token")
 
     def unreadable(*args, **kwargs):  # as root, mode 000 is still readable: the refusal is faked
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    token = tmp_path / "auth_token"
-    token.write_text(TOKEN)
+    token = private(tmp_path / "auth_token")
     monkeypatch.setattr(tokens, "open", unreadable, raising=False)
     with pytest.raises(UserError, match=r"^cannot read the cluster token at .*auth_token \(Permission denied\); copy"):
         tokens.read_token(token)
@@ -152,8 +145,7 @@ def test_a_head_token_that_cannot_be_made_is_one_line_and_leaves_nothing(tmp_pat
     (tmp_path / ".ray").write_text("a file where the directory goes")
     with pytest.raises(UserError, match=r"^cannot create the cluster token at .*\.ray/auth_token: .*\.ray \(File"):
         tokens.ensure_token(tmp_path / ".ray" / "auth_token")
-    corrupt = tmp_path / "corrupt"
-    corrupt.write_text("two\nlines")
+    corrupt = private(tmp_path / "corrupt", "two\nlines")
     with pytest.raises(UserError, match=r"holds 2 lines, .*; move it away and run again to have a new one made"):
         tokens.ensure_token(corrupt)
 
@@ -181,27 +173,27 @@ def test_the_environment_turns_token_auth_on_and_macos_clustering(tmp_path):
 def test_a_driver_on_a_node_turns_token_auth_on_when_it_holds_the_token(tmp_path, monkeypatch, environ):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert tokens.use_cluster_token() is False and "RAY_AUTH_MODE" not in environ  # no token here: none used
-    token = tmp_path / "auth_token"
-    token.write_text(TOKEN)
-    token.chmod(0o644)
-    assert tokens.use_cluster_token(token) is True and mode(token) == 0o600
+    token = private(tmp_path / "auth_token", TOKEN, 0o644)
+    with pytest.raises(UserError, match=r"is open to other users \(mode 0644\)"):
+        tokens.use_cluster_token(token)
+    assert "RAY_AUTH_MODE" not in environ
+    token.chmod(0o600)
+    assert tokens.use_cluster_token(token) is True
     assert environ["RAY_AUTH_MODE"] == "token" and environ["RAY_AUTH_TOKEN_PATH"] == str(token)
     environ["RAY_AUTH_MODE"] = "disabled"  # said otherwise: left alone, and the file is not read
     token.chmod(0o644)
     assert tokens.use_cluster_token(token) is False and environ["RAY_AUTH_MODE"] == "disabled"
-    assert mode(token) == 0o644
 
 
 def test_a_token_file_named_to_a_driver_must_be_there_and_wins_over_the_environment(tmp_path, environ):
     with pytest.raises(UserError, match=r"^no cluster token at .*missing"):
         tokens.use_cluster_token(tmp_path / "missing")
-    token = tmp_path / "given"
-    token.write_text(TOKEN)
+    token = private(tmp_path / "given")
     environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "other")})
     assert tokens.use_cluster_token(token) is True and environ["RAY_AUTH_TOKEN_PATH"] == str(token)
 
 
-def test_a_drivers_default_token_is_checked_and_made_private(tmp_path, monkeypatch, environ):
+def test_a_drivers_default_token_is_checked(tmp_path, monkeypatch, environ):
     monkeypatch.setenv("HOME", str(tmp_path))
     default = tmp_path / ".ray" / "auth_token"
     default.parent.mkdir()
@@ -209,10 +201,12 @@ def test_a_drivers_default_token_is_checked_and_made_private(tmp_path, monkeypat
     with pytest.raises(UserError, match=r"auth_token is a directory"):
         tokens.use_cluster_token()
     default.rmdir()
-    default.write_text(TOKEN)
-    default.chmod(0o664)
-    assert tokens.use_cluster_token() is True and mode(default) == 0o600
-    assert environ["RAY_AUTH_TOKEN_PATH"] == str(default)
+    private(default, TOKEN, 0o664)
+    with pytest.raises(UserError) as refused:
+        tokens.use_cluster_token()
+    assert str(refused.value) == open_to_others(default, 0o664) and "RAY_AUTH_MODE" not in environ
+    default.chmod(0o600)
+    assert tokens.use_cluster_token() is True and environ["RAY_AUTH_TOKEN_PATH"] == str(default)
 
 
 def test_a_local_ray_finds_its_token_made_private_first(tmp_path, monkeypatch, environ):
@@ -221,8 +215,11 @@ def test_a_local_ray_finds_its_token_made_private_first(tmp_path, monkeypatch, e
     assert tokens.ensure_local_token() == default
     assert mode(default) == 0o600 and len(default.read_text()) == 64
     made = default.read_text()
-    default.chmod(0o644)  # as Ray 2.60 writes it
-    assert tokens.ensure_local_token() == default and mode(default) == 0o600 and default.read_text() == made
+    assert tokens.ensure_local_token() == default and default.read_text() == made  # kept for the next run
+    default.chmod(0o644)  # as Ray 2.60 wrote it, before raytrm made it first
+    with pytest.raises(UserError) as refused:
+        tokens.ensure_local_token()
+    assert str(refused.value) == open_to_others(default, 0o644) and default.read_text() == made
     elsewhere = tmp_path / "elsewhere" / "token"
     environ["RAY_AUTH_TOKEN_PATH"] = str(elsewhere)  # where Ray's loader looks first
     assert tokens.ensure_local_token() == elsewhere and mode(elsewhere) == 0o600
