@@ -24,8 +24,8 @@ def _check_reachable(address: str) -> None:
     why = unreachable(host, port)
     if why:
         raise UserError(
-            f"--address {address}: cannot reach a Ray head there ({why}); start it with "
-            "`raytrm cluster head` or check the address and the firewall"
+            f"--address {address}: cannot reach a Ray head there ({why}); start it with `raytrm cluster head`, or "
+            "check the address and the head's firewall"
         )
 
 
