@@ -272,6 +272,17 @@ def job_command(dashboard: str) -> str:
     return f"RAY_AUTH_MODE=token ray job submit --address {dashboard} --working-dir . -- raytrm tune"
 
 
+def port_number(text: str) -> int:
+    """argparse type of a TCP port: 1-65535, else refused (a port out of range is never wrapped or left to Ray)."""
+    from raytrm.distributed.node import PORT_RANGE
+    from raytrm.distributed.node import port_number as parse
+
+    port = parse(text)
+    if port is None:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected a port from {PORT_RANGE[0]} to {PORT_RANGE[1]}")
+    return port
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     from raytrm.distributed import cluster_commands as cluster
 
@@ -516,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "join":
             a.add_argument("head", metavar="HEAD[:PORT]", help="the head's address, as `raytrm cluster head` printed")
         else:
-            a.add_argument("--port", type=int, default=6379, help="the head's port (default 6379)")
+            a.add_argument("--port", type=port_number, default=6379, help="the head's port (default 6379)")
             a.add_argument(
                 "--autoscaling-config", metavar="FILE", help="for `ray up`: the autoscaler file it writes on the head"
             )

@@ -137,7 +137,8 @@ def test_a_lost_worker_restarts_the_group_from_the_last_checkpoint(ray_cluster, 
     assert_same_training(tmp_path / "straight", run_dir, config.training.lr)
 
 
-def test_bad_input_is_one_line_before_any_worker_starts(ray_cluster, puzzles, tmp_path):
+def test_bad_input_is_one_line_before_any_worker_starts(ray_cluster, puzzles, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # this machine's ~/.ray/auth_token, whatever its state, is not read
     config = experiment(puzzles, steps=2)
     with pytest.raises(UserError, match=r"--workers 0: expected a number of workers >= 1"):
         train_distributed(config, tmp_path / "a", workers=0)
