@@ -187,18 +187,28 @@ def resolve_experiment(
     resume: bool,
     overrides: dict[str, dict[str, Any]],
     tier_defaults: bool = True,
+    overwrite: bool = False,
 ) -> tuple[cfg.ExperimentConfig, Path]:
     """The validated experiment and its run directory for `raytrm train`'s arguments.
 
     tier_defaults=False leaves the machine settings a config does not give unset: distributed workers fill them
-    from their own machines' tiers.
+    from their own machines' tiers. A new run's --out is checked here, before anything else is looked at
+    (raytrm.train.run_dir: a run there needs --resume or --overwrite); nothing is moved here.
     """
     if config_file and profile_file:
         raise UserError("give --config or --profile, not both")
+    if resume and overwrite:
+        raise UserError(
+            f"--resume continues the run in {out} and --overwrite moves it aside to start anew: give one of them"
+        )
+    if not resume and out:
+        from raytrm.train.run_dir import check_new_run_dir
+
+        check_new_run_dir(out, overwrite=overwrite)
     if resume:
         if not out:
             raise UserError("--resume needs --out RUN_DIR, the run to continue")
-        from raytrm.train.run import CONFIG_FILE, resumable_config
+        from raytrm.train.run_dir import CONFIG_FILE, resumable_config
 
         run_dir = Path(out)
         base = cfg.to_dict(resumable_config(run_dir))

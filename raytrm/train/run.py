@@ -28,6 +28,8 @@ from raytrm.train.memory_budget import MemoryBudget
 from raytrm.train.metrics import MetricsLog, Progress
 from raytrm.train.peers import Peers
 from raytrm.train.recording import Checkpoints, MetricsRows, StepTimes, tokens_per_sec
+from raytrm.train.run_dir import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from raytrm.train.run_dir import resumable_config as resumable_config
 from raytrm.train.schedule import Interrupts, IntervalEvaluation, StepLimit, TimeBudget
 from raytrm.train.sync import GradientSync
 from raytrm.train.sync_modes import SyncModes
@@ -35,18 +37,6 @@ from raytrm.train.thermal_guard import ThermalGuard, ThermalHook
 from raytrm.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
-
-CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, CHECKPOINT_DIR = "config.yaml", "metrics.jsonl", "summary.json", "checkpoints"
-
-
-def resumable_config(run_dir: Path) -> cfg.ExperimentConfig:
-    """The config a run directory was started with; refused with the fix when the directory is not a run."""
-    path = run_dir / CONFIG_FILE
-    if not path.is_file():
-        raise UserError(
-            f"{run_dir}: not a raytrm run directory (no {CONFIG_FILE}); start one with `raytrm train --out {run_dir}`"
-        )
-    return cfg.load(cfg.ExperimentConfig, path)
 
 
 def write_json(data: dict[str, Any], path: Path) -> None:
