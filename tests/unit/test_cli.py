@@ -163,3 +163,28 @@ def test_train_overwrite_keeps_the_old_run_beside_the_new(tiny, tmp_path):
     (aside,) = tmp_path.glob("run.replaced-*")
     assert _files(aside) == before
     assert json.loads((run / "summary.json").read_text())["steps"] == 1
+
+
+def test_resume_with_the_starting_config_takes_only_its_length(tiny, tmp_path, capsys):
+    """A --config given with --resume must describe the run; its steps (resume may change them) then apply."""
+    from raytrm import config as cfg
+
+    run = tmp_path / "run"
+    first = cfg.write_yaml(tiny(training={"steps": 2}), tmp_path / "first.yaml")
+    assert main(["train", "--config", str(first), "--out", str(run), "--quiet"]) == 0
+    longer = cfg.write_yaml(tiny(training={"steps": 3}), tmp_path / "longer.yaml")
+    assert main(["train", "--config", str(longer), "--out", str(run), "--resume", "--quiet"]) == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+    capsys.readouterr()
+    seeded = cfg.write_yaml(tiny(training={"steps": 4, "seed": 9}), tmp_path / "seeded.yaml")
+    assert main(["train", "--config", str(seeded), "--out", str(run), "--resume", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"raytrm: error: --resume continues {run / 'config.yaml'} as it was; only --steps and --time-budget may "
+        f"change, but training.seed is 3 there, 9 asked: drop --config {seeded} (the run keeps its own config), or "
+        "start a new run with another --out"
+    )
+    flagged = ["train", "--config", str(longer), "--hidden-size", "64", "--out", str(run), "--resume", "--quiet"]
+    assert main(flagged) == 2
+    err = capsys.readouterr().err
+    assert f"model.hidden_size is 32 there, 64 asked: drop --config {longer} and those flags (the run keeps" in err
