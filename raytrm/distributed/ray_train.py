@@ -166,7 +166,7 @@ def train_distributed(
     Returns rank 0's summary.
     """
     from raytrm.distributed.cluster import connect
-    from raytrm.train.run import SUMMARY_FILE
+    from raytrm.train.run import SUMMARY_FILE, check_resume
     from raytrm.train.run_dir import check_new_run_dir
 
     if workers is not None and workers < 1:
@@ -175,6 +175,8 @@ def train_distributed(
     if not resume:
         check_new_run_dir(run_dir)
     machines, weights = profile_settings(profiles, profile_names) if profiles else ({}, {})
+    if resume:  # here, not on the workers: their refusal would come after Ray Train's retries and their tracebacks
+        check_resume(config, run_dir)
     if profiles:  # the first profile's machine settings are its tier's: other tiers take theirs, or their defaults
         config = without_machine_settings(config, keep=explicit)
     owned = connect(address, dashboard=True)
