@@ -119,6 +119,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, dict[str, object]]:
 def cmd_train(args: argparse.Namespace) -> int:
     from raytrm.train.defaults import resolve_experiment
     from raytrm.train.run import run_training
+    from raytrm.train.run_dir import claim_run_dir
 
     profiles = args.profile or []
     distributed = args.workers is not None or args.address is not None
@@ -132,7 +133,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         resume=args.resume,
         overrides=overrides,
         tier_defaults=not distributed,
+        overwrite=args.overwrite,
     )
+    claim_run_dir(run_dir, resume=args.resume, overwrite=args.overwrite)
     if distributed:
         from raytrm import config
         from raytrm.distributed.ray_train import train_distributed
@@ -475,6 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/train-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest good checkpoint")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start anew where --out holds a run: the old run is moved aside to RUN_DIR.replaced-<time>, not deleted",
+    )
     p.add_argument(
         "--quiet",
         action="store_true",
