@@ -119,6 +119,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, dict[str, object]]:
 def cmd_train(args: argparse.Namespace) -> int:
     from raytrm.train.defaults import resolve_experiment
     from raytrm.train.run import run_training
+    from raytrm.train.run_dir import claim_run_dir
 
     profiles = args.profile or []
     distributed = args.workers is not None or args.address is not None
@@ -132,7 +133,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         resume=args.resume,
         overrides=overrides,
         tier_defaults=not distributed,
+        overwrite=args.overwrite,
     )
+    claim_run_dir(run_dir, resume=args.resume, overwrite=args.overwrite)
     if distributed:
         from raytrm import config
         from raytrm.distributed.ray_train import train_distributed
@@ -270,6 +273,17 @@ def cmd_report(args: argparse.Namespace) -> int:
 def job_command(dashboard: str) -> str:
     """The job line the head prints: `raytrm tune` as a Ray job, which joins the cluster it is submitted to."""
     return f"RAY_AUTH_MODE=token ray job submit --address {dashboard} --working-dir . -- raytrm tune"
+
+
+def port_number(text: str) -> int:
+    """argparse type of a TCP port: 1-65535, else refused (a port out of range is never wrapped or left to Ray)."""
+    from raytrm.distributed.node import PORT_RANGE
+    from raytrm.distributed.node import port_number as parse
+
+    port = parse(text)
+    if port is None:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected a port from {PORT_RANGE[0]} to {PORT_RANGE[1]}")
+    return port
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -465,6 +479,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/train-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest good checkpoint")
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start anew where --out holds a run: the old run is moved aside to RUN_DIR.replaced-<time>, not deleted",
+    )
+    p.add_argument(
         "--quiet",
         action="store_true",
         help="no progress line; with --workers/--address no INFO lines either, only warnings and the summary "
@@ -516,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "join":
             a.add_argument("head", metavar="HEAD[:PORT]", help="the head's address, as `raytrm cluster head` printed")
         else:
-            a.add_argument("--port", type=int, default=6379, help="the head's port (default 6379)")
+            a.add_argument("--port", type=port_number, default=6379, help="the head's port (default 6379)")
             a.add_argument(
                 "--autoscaling-config", metavar="FILE", help="for `ray up`: the autoscaler file it writes on the head"
             )

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from raytrm.distributed import node as nodes
-from raytrm.distributed.cluster import unreachable
+from raytrm.distributed import tokens
+from raytrm.distributed.cluster import check_address, ray_node_here
+from raytrm.distributed.reach import check_head, port_taken
 from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -27,12 +29,12 @@ HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker of the head node among 
 
 
 def _token_path(explicit: str | None) -> Path:
-    return Path(explicit).expanduser().resolve() if explicit else nodes.default_token_path()
+    return tokens.default_token_path() if explicit is None else Path(explicit).expanduser().resolve()
 
 
 def _environment(token: Path, spec: nodes.NodeSpec) -> dict[str, str]:
     """`ray start`'s environment, which the node's workers inherit: token auth, macOS clustering, gloo's interface."""
-    return {**nodes.ray_environment(token), **nodes.collective_environment(spec.node_ip)}
+    return {**tokens.ray_environment(token), **nodes.collective_environment(spec.node_ip)}
 
 
 #: Dashboard hosts that mean every interface, and those that mean this Mac alone.
@@ -53,9 +55,22 @@ def head(
 
     autoscaling_config: the file `ray up` writes on the head, whose autoscaler then starts the workers over SSH.
     """
+    if nodes.port_number(str(port)) is None:
+        raise UserError(f"--port {port}: expected a port from 1 to 65535, e.g. {nodes.DEFAULT_PORT}")
+    if dashboard_host not in ANY_HOST + LOOPBACK and nodes.interface_of(dashboard_host) is None:
+        raise UserError(
+            f"--dashboard-host {nodes.shown(dashboard_host)}: not an address of this Mac; give 127.0.0.1 (this Mac "
+            f"only), 0.0.0.0 (every interface) or one of {', '.join(nodes.local_addresses())}"
+        )
     spec = nodes.this_node(node_ip, tier)
+    taken = port_taken(spec.node_ip, port)
+    if taken:
+        raise UserError(
+            f"--port {port}: the head cannot listen there ({taken}); stop what uses it (`lsof -i :{port}` names "
+            "it; `raytrm cluster stop` if it is a Ray node), or give another --port"
+        )
     token = _token_path(token_file)
-    created = nodes.ensure_token(token)
+    created = tokens.ensure_token(token)
     argv = nodes.start_command(spec, None, port, dashboard_host, object_store_mb)
     if autoscaling_config:
         argv.append(f"--autoscaling-config={Path(autoscaling_config).expanduser()}")
@@ -73,15 +88,6 @@ def head(
     }
 
 
-def _reachable(host: str, port: int) -> None:
-    why = unreachable(host, port)
-    if why:
-        raise UserError(
-            f"cannot reach the head at {host}:{port} ({why}); start it with `raytrm cluster head` "
-            "and allow Python through the head's firewall"
-        )
-
-
 def join(
     address: str,
     node_ip: str | None = None,
@@ -92,11 +98,10 @@ def join(
     """Join the head at HEAD[:PORT] with its token; stopped again if its versions differ from the head's."""
     host, port = nodes.split_address(address)
     token = _token_path(token_file)
-    nodes.read_token(token, head=host)
-    _reachable(host, port)
+    tokens.read_token(token, head=host)
+    check_head(host, port, f"{host}:{port}", tokens.ray_environment(token))
     spec = nodes.this_node(node_ip, tier)
     env = _environment(token, spec)
-    _check_token(host, port, env, token)
     nodes.run_ray(nodes.start_command(spec, f"{host}:{port}", object_store_mb=object_store_mb), env, "ray start")
     try:
         head_labels = _head_labels(f"{host}:{port}", env)
@@ -108,27 +113,6 @@ def join(
         stop()
         raise UserError(problem)
     return {"role": "worker", "head": f"{host}:{port}", "address": spec.node_ip, "tier": spec.tier}
-
-
-def _check_token(host: str, port: int, env: dict[str, str], token: Path) -> None:
-    """One authenticated call to the head: a token it refuses is one line at once (`ray start` retries such a
-    refusal for about 20 s before it gives up)."""
-    os.environ.update(env)  # before Ray is imported: it reads its auth mode once, at import
-    from ray._raylet import GcsClient
-    from ray.exceptions import AuthenticationError, RpcError
-
-    try:
-        with _stderr_silenced():  # Ray's C++ client logs the refusal on stderr as well; the one line below says it
-            GcsClient(address=f"{host}:{port}")
-    except AuthenticationError:
-        raise UserError(
-            f"the head at {host}:{port} refused the cluster token at {token}: it is not the head's; copy the head's "
-            f"(`scp {host}:.ray/auth_token {token} && chmod 600 {token}`)"
-        ) from None
-    except RpcError as e:
-        raise UserError(
-            f"{host}:{port} answers but not as a Ray head ({e}); give the address `raytrm cluster head` printed"
-        ) from None
 
 
 @contextlib.contextmanager
@@ -167,13 +151,7 @@ def stop() -> str:
     return "stopped this Mac's Ray node" if "Stopped" in out or "stopped" in out else "no Ray node was running here"
 
 
-def _raylet_running() -> bool:
-    import psutil
-
-    return any(p.info["name"] == "raylet" for p in psutil.process_iter(["name"]))
-
-
-def block(poll_s: float = 5.0, running: Callable[[], bool] = _raylet_running) -> int:
+def block(poll_s: float = 5.0, running: Callable[[], bool] = ray_node_here) -> int:
     """Stay in the foreground while this Mac's node runs, so launchd can keep it alive: returns 1 when the node
     has stopped (launchd starts the command again); SIGTERM (launchctl bootout, Ctrl-C) stops the node first."""
 
@@ -192,14 +170,18 @@ def block(poll_s: float = 5.0, running: Callable[[], bool] = _raylet_running) ->
 
 
 def connect_here(address: str | None, token_file: str | None = None) -> None:
-    """Connect this process to the cluster as a driver, with the token (status, jobs)."""
-    nodes.use_cluster_token(_token_path(token_file) if token_file else None)
+    """Connect this process to the cluster as a driver, with the token (status, jobs): the cluster at address, or
+    the one this Mac is a node of; one line within seconds where there is none to connect to."""
+    tokens.use_cluster_token(None if token_file is None else _token_path(token_file))
+    target = check_address(address, default_port=nodes.DEFAULT_PORT)
     import ray
+    from ray.exceptions import AuthenticationError
 
     try:
-        ray.init(address=address or "auto", logging_level=logging.ERROR, log_to_driver=False)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        where = address or "this Mac"
+        with _stderr_silenced():  # Ray's C++ client logs a failure on stderr too; the one line below says it
+            ray.init(address="auto" if address is None else target, logging_level=logging.ERROR, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError, AuthenticationError) as e:
+        where = "this Mac" if address is None else address
         raise UserError(
             f"no raytrm cluster at {where}: {str(e).splitlines()[0]}; start one with `raytrm cluster head`"
         ) from None

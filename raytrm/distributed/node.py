@@ -3,7 +3,7 @@
 `raytrm cluster head` and `raytrm cluster join` build one `ray start` command each: the node advertises one
 `raytrm_machine` unit and its `raytrm_tier:<tier>` resource (what trials and training workers are placed by), and
 labels with its tier, memory budget and versions (what `status` shows and `join` checks). Token authentication is
-always on: the head's token file is created 0600, and a node without the same token is refused by Ray itself.
+always on (raytrm.distributed.tokens): a node without the head's token is refused by Ray itself.
 """
 
 from __future__ import annotations
@@ -12,13 +12,10 @@ import json
 import logging
 import os
 import re
-import secrets
 import socket
-import stat
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from raytrm.constants import RESOURCE_MACHINE, tier_resource
 from raytrm.errors import UserError
@@ -27,9 +24,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 6379
 DASHBOARD_PORT = 8265
-# Ray's own environment knobs that a raytrm node sets for `ray start` (declared by Ray, named here once).
-RAY_AUTH_MODE_ENV, RAY_TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"
-RAY_MAC_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # torch's gloo: the interface its sockets bind and advertise
 #: Node label keys (Kubernetes syntax, as Ray requires): the tier, the memory budget and the versions `join` checks.
 LABEL_PREFIX = "raytrm/"
@@ -37,55 +31,21 @@ VERSION_KEYS = ("python", "ray", "torch", "raytrm")
 # Ray caps a Mac's object store at 2 GiB; raytrm moves checkpoints and results through it, never datasets, so a
 # small store leaves the memory to the training budget.
 OBJECT_STORE_MIN, OBJECT_STORE_MAX, OBJECT_STORE_FRACTION = 512 * 2**20, 2 * 2**30, 0.05
-
-
-def default_token_path() -> Path:
-    """Where Ray (drivers, `ray job submit`) looks for the token without being told: ~/.ray/auth_token."""
-    return Path.home() / ".ray" / "auth_token"
-
-
-def ensure_token(path: Path) -> bool:
-    """The head's token at path, created (a random 256-bit hex string, mode 0600) if missing; True if created.
-
-    An existing token is kept (nodes that joined with it keep working) and tightened to 0600 if others can read it.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        mode = stat.S_IMODE(path.stat().st_mode)
-        if mode & 0o077:
-            path.chmod(0o600)
-            logger.info("token %s was readable by others (mode %o): now 0600", path, mode)
-        read_token(path)
-        return False
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    return True
-
-
-def read_token(path: Path, head: str | None = None) -> str:
-    """The token in path; a missing or empty file is one line saying how to bring the head's token over."""
-    try:
-        token = path.read_text().strip()
-    except OSError:
-        token = ""
-    if not token:
-        raise UserError(
-            f"no cluster token at {path}: copy the head's ~/.ray/auth_token here "
-            f"(`scp {head or 'HEAD'}:.ray/auth_token {path} && chmod 600 {path}`), or pass --token-file"
-        )
-    return token
+PORT_RANGE = (1, 65535)
 
 
 def lan_address(explicit: str | None = None) -> str:
     """The IPv4 address other Macs reach this one at: --node-ip, else the interface of the default route, else the
     first non-loopback address that is up (a Thunderbolt bridge or a LAN without a router)."""
-    if explicit:
-        try:
-            socket.inet_aton(explicit)
-        except OSError:
-            raise UserError(f"--node-ip {explicit}: not an IPv4 address; give this Mac's LAN address") from None
+    if explicit is not None:
+        if not re.fullmatch(r"[0-9]{1,3}(\.[0-9]{1,3}){3}", explicit) or not _is_ipv4(explicit):
+            raise UserError(f"--node-ip {shown(explicit)}: not an IPv4 address; give this Mac's LAN address")
+        if interface_of(explicit) is None:
+            held = ", ".join(local_addresses()) or "none"
+            raise UserError(
+                f"--node-ip {explicit}: not an address of this Mac (it holds {held}); give one of them, or leave "
+                "--node-ip out to use the LAN interface's"
+            )
         return explicit
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
@@ -103,6 +63,22 @@ def lan_address(explicit: str | None = None) -> str:
             if name in up and addr.family == socket.AF_INET and not addr.address.startswith("127."):
                 return addr.address
     raise UserError("no network address found on this Mac: connect it to the LAN, or pass --node-ip")
+
+
+def _is_ipv4(text: str) -> bool:
+    try:
+        socket.inet_aton(text)
+    except OSError:
+        return False
+    return True
+
+
+def local_addresses() -> list[str]:
+    """The IPv4 addresses of this machine's interfaces, loopback last."""
+    import psutil
+
+    found = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+    return sorted(found, key=lambda ip: (ip.startswith("127."), ip))
 
 
 def interface_of(ip: str) -> str | None:
@@ -177,29 +153,6 @@ def this_node(node_ip: str | None, tier_name: str | None = None) -> NodeSpec:
     return NodeSpec(name, budget, lan_address(node_ip), hw.versions, hw.memory_bytes)
 
 
-def ray_environment(token_path: Path, platform: str = sys.platform) -> dict[str, str]:
-    """The environment `ray start` (and every driver) needs: token auth on, the token's file, macOS clustering."""
-    env = {RAY_AUTH_MODE_ENV: "token", RAY_TOKEN_PATH_ENV: str(token_path)}
-    if platform == "darwin":
-        env[RAY_MAC_CLUSTER_ENV] = "1"  # else a Mac's node listens on 127.0.0.1 only and workers cannot join
-    return env
-
-
-def use_cluster_token(token_file: Path | None = None) -> bool:
-    """Turn Ray's token authentication on for this process and its children when this Mac holds a cluster token
-    (token_file, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) and RAY_AUTH_MODE says nothing else; True if it did.
-
-    Ray reads its auth mode when it is imported: call this before anything imports ray.
-    """
-    if os.environ.get(RAY_AUTH_MODE_ENV):
-        return False
-    token = token_file or Path(os.environ.get(RAY_TOKEN_PATH_ENV) or default_token_path())
-    if not token.is_file():
-        return False
-    os.environ.update(ray_environment(token))
-    return True
-
-
 def start_command(
     spec: NodeSpec,
     head: str | None = None,
@@ -248,14 +201,42 @@ def run_ray(argv: list[str], env: dict[str, str], what: str, timeout_s: float = 
     return output
 
 
-def split_address(address: str) -> tuple[str, int]:
-    """HOST[:PORT] as (host, port); the port defaults to Ray's 6379."""
+def port_number(text: str) -> int | None:
+    """text as a TCP port (1-65535), or None: a port out of range is refused, never wrapped or left to Ray."""
+    if not re.fullmatch(r"[0-9]{1,5}", text):
+        return None
+    port = int(text)
+    return port if PORT_RANGE[0] <= port <= PORT_RANGE[1] else None
+
+
+def split_address(
+    address: str, what: str = "the head's address", default_port: int | None = DEFAULT_PORT
+) -> tuple[str, int]:
+    """HOST[:PORT] as (host, port); without a port, default_port (an error where it is None).
+
+    The host is an IPv4 address or a host name; the port one of 1-65535. what names the argument in the error.
+    """
     host, sep, port = address.rpartition(":")
     if not sep:
-        return address, DEFAULT_PORT
-    if not host or not port.isdigit():
-        raise UserError(f"{address}: expected HEAD or HEAD:PORT, e.g. 192.168.1.10 or 192.168.1.10:6379")
-    return host, int(port)
+        host, port = address, ""
+    example = "e.g. 192.168.1.10:6379"
+    if not host or len(host) > 253 or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", host):
+        found = "an empty host" if not host else f"host {shown(host)}"
+        raise UserError(f"{what} {shown(address)}: got {found}, expected an IPv4 address or a host name ({example})")
+    if not sep and default_port is None:
+        raise UserError(f"{what} {shown(address)}: got no port, expected HOST:PORT ({example})")
+    number = port_number(port) if sep else default_port
+    if number is None:
+        raise UserError(
+            f"{what} {shown(address)}: got port {shown(port)}, expected a port from {PORT_RANGE[0]} to "
+            f"{PORT_RANGE[1]} ({example})"
+        )
+    return host, number
+
+
+def shown(text: str, limit: int = 60) -> str:
+    """text quoted for an error line: escapes visible, cut to limit characters."""
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 def version_mismatch(mine: dict[str, str], head: dict[str, str]) -> str | None:

@@ -168,15 +168,17 @@ def train_distributed(
     """
     from raytrm.distributed.cluster import connect
     from raytrm.distributed.run_logs import DriverLogs
-    from raytrm.train import checkpoint as ckpt
-    from raytrm.train.run import CHECKPOINT_DIR, SUMMARY_FILE
+    from raytrm.train.run import SUMMARY_FILE, check_resume
+    from raytrm.train.run_dir import check_new_run_dir
 
     if workers is not None and workers < 1:
         raise UserError(f"--workers {workers}: expected a number of workers >= 1")
     run_dir = Path(run_dir)
-    if not resume and ckpt.list_checkpoints(run_dir / CHECKPOINT_DIR):
-        raise UserError(f"{run_dir}: already holds a run's checkpoints; continue it with --resume, or choose --out")
+    if not resume:
+        check_new_run_dir(run_dir)
     machines, weights = profile_settings(profiles, profile_names) if profiles else ({}, {})
+    if resume:  # here, not on the workers: their refusal would come after Ray Train's retries and their tracebacks
+        check_resume(config, run_dir)
     if profiles:  # the first profile's machine settings are its tier's: other tiers take theirs, or their defaults
         config = without_machine_settings(config, keep=explicit)
     logs, owned = DriverLogs(run_dir, quiet=not progress).start(), False

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import reprlib
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,8 +147,41 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             f"{path}: checkpoint payload is a {type(state).__name__}, not the state dict raytrm writes; it was written"
             f" by raytrm {header.get('raytrm_version', 'unknown')}"
         )
+    _check_steps(path, header, state)
     state["_header"] = {**header, "path": str(path)}
     return state
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_steps(path: Path, header: dict[str, Any], state: dict[str, Any]) -> None:
+    """The step a checkpoint claims is one: a count in its header, and the same in its name and its contents; and
+    the samples it has seen are its steps' global batches (every step trains one whole global batch)."""
+    away = f"move it out of {path.parent} to resume from an earlier checkpoint"
+    broken = f"the file is broken or was edited: {away}"
+    step = header.get("step")
+    if not _count(step):
+        raise UserError(f"{path}: its header claims step {reprlib.repr(step)}, expected a step count >= 0; {broken}")
+    if "step" in state and (not _count(state["step"]) or state["step"] != step):
+        raise UserError(
+            f"{path}: its header says step {step}, its contents step {reprlib.repr(state['step'])}; {broken}"
+        )
+    named = _NAME.match(path.name)
+    if named and int(named.group(1)) != step:
+        raise UserError(
+            f"{path}: its name says step {int(named.group(1))}, its header step {step}; rename it "
+            f"{checkpoint_path(path.parent, step).name} if that is its step, or {away}"
+        )
+    seen, config = state.get("samples_seen"), state.get("config")
+    training = config.get("training") if isinstance(config, dict) else None
+    batch = training.get("global_batch_size") if isinstance(training, dict) else None
+    if "samples_seen" in state and _count(batch) and (not _count(seen) or seen != step * batch):
+        raise UserError(
+            f"{path}: it claims {reprlib.repr(seen)} samples seen at step {step}, expected {step * batch} (step x "
+            f"the global batch {batch}); {broken}"
+        )
 
 
 #: What restoring a state of another shape raises: a key missing, a value of another type, size or count.
@@ -169,10 +203,11 @@ def restoring(state: dict[str, Any]) -> Iterator[None]:
         header = state.get("_header") or {}
         detail = " ".join(str(e).split())
         detail = detail if len(detail) <= 160 else detail[:160] + "..."
+        path = Path(str(header.get("path", "checkpoint")))
         raise UserError(
-            f"{header.get('path', 'checkpoint')}: its contents do not fit this run ({type(e).__name__}: {detail});"
-            f" it was written by raytrm {header.get('raytrm_version', 'unknown')}: delete it to resume from an"
-            " earlier checkpoint, or start afresh"
+            f"{path}: its contents do not fit this run ({type(e).__name__}: {detail}); it was written by raytrm "
+            f"{header.get('raytrm_version', 'unknown')}: move it out of {path.parent} to resume from an earlier "
+            "checkpoint, or start a new run with another --out"
         ) from None
 
 
@@ -182,10 +217,13 @@ def latest_good_checkpoint(directory: str | Path) -> dict[str, Any] | None:
     errors = []
     for path in reversed(candidates):
         try:
-            return load_checkpoint(path)
+            state = load_checkpoint(path)
         except UserError as e:
-            logger.warning("skipping checkpoint %s", e)
             errors.append(str(e))
+            continue
+        for error in errors:  # said only where an earlier one is taken: else the refusal below is the one line
+            logger.warning("skipping checkpoint %s", error)
+        return state
     if errors:
         raise UserError(f"{directory}: no checkpoint verifies ({len(errors)} tried; newest: {errors[0]})")
     return None

@@ -158,6 +158,34 @@ def _with_tier_defaults(data: dict[str, Any]) -> dict[str, Any]:
 #: What a resumed run may change: how long it goes on.
 RESUMABLE_CHANGES = {("training", "steps"), ("training", "time_budget_s")}
 
+#: Training fields that belong to a machine, not to the experiment: a distributed run's workers take them from the
+#: profile of their tier, or from their tier.
+MACHINE_SETTINGS = (
+    "micro_batch_size",
+    "grad_accum_steps",
+    "threads",
+    "interop_threads",
+    "dataloader_workers",
+    "memory_budget_mb",
+    "thermal_cap",
+    "thermal_action",
+    "device",
+)
+
+
+#: The changed fields a refusal names: more would bury the first in a line nobody reads to its end.
+SHOWN = 6
+
+
+def _refuse(changed: list[str], source: str, asked_by: str) -> None:
+    """The one refusal of a resume that would change the run: each field with its stored and asked values."""
+    if changed:
+        more = f" (and {len(changed) - SHOWN} more fields)" if len(changed) > SHOWN else ""
+        raise UserError(
+            f"--resume continues {source} as it was; only --steps and --time-budget may change, but "
+            f"{'; '.join(changed[:SHOWN])}{more}: drop {asked_by}, or start a new run with another --out"
+        )
+
 
 def _refuse_changes(stored: dict[str, Any], overrides: dict[str, dict[str, Any]], source: str) -> None:
     """Refuse flags that would change a resumed run's config, naming each field with its stored and asked values.
@@ -172,11 +200,59 @@ def _refuse_changes(stored: dict[str, Any], overrides: dict[str, dict[str, Any]]
         for name in values
         if (section, name) not in RESUMABLE_CHANGES and asked[section][name] != stored[section].get(name)
     ]
-    if changed:
-        raise UserError(
-            f"--resume continues {source} as it was; only --steps and --time-budget may change, but "
-            f"{'; '.join(changed)}: drop those flags, or start a new run with another --out"
-        )
+    _refuse(changed, source, "those flags")
+
+
+def _resume_with_file(
+    stored: dict[str, Any],
+    asked: dict[str, Any],
+    overrides: dict[str, dict[str, Any]],
+    source: str,
+    given: str,
+    machines_free: bool,
+) -> dict[str, Any]:
+    """The stored config, continued as the --config or --profile `given` with --resume asks (asked: the file with its
+    flags, validated).
+
+    The file must describe the stored run field by field; it may change only how long the run goes on (its steps
+    and time budget then replace the stored ones). Machine settings it leaves unset were filled from the tier when
+    the run started, so they are the stored ones; with machines_free (a distributed run's profile, whose machine
+    settings each worker takes from its own tier) they are not compared.
+    """
+    changed, flagged = [], False
+    for section in ("model", "data", "training"):
+        for name, value in asked[section].items():
+            if section == "training" and name in MACHINE_SETTINGS and (machines_free or value is None):
+                continue
+            if (section, name) not in RESUMABLE_CHANGES and value != stored[section].get(name):
+                changed.append(f"{section}.{name} is {stored[section].get(name)!r} there, {value!r} asked")
+                flagged = flagged or name in overrides.get(section, {})
+    _refuse(changed, source, f"{given}{' and those flags' if flagged else ''} (the run keeps its own config)")
+    resumed = copy.deepcopy(stored)
+    limits = {name: asked["training"][name] for _, name in RESUMABLE_CHANGES}
+    if any(value is not None for value in limits.values()):
+        resumed["training"].update(limits)
+    return resumed
+
+
+def _requested(
+    config_file: str | None, profile_file: str | None, overrides: dict[str, dict[str, Any]]
+) -> tuple[dict[str, Any], str]:
+    """The experiment the arguments name, as a dict before the flags and the tier, and where it comes from."""
+    if profile_file:
+        profile = cfg.load_profile(profile_file)
+        base = {k: cfg.to_dict(getattr(profile, k)) for k in ("model", "data", "training")}
+        # The profile's limits are the tier's: they bound the run unless its training section says otherwise.
+        base["training"]["memory_budget_mb"] = base["training"]["memory_budget_mb"] or profile.limits.memory_budget_mb
+        base["training"]["thermal_cap"] = base["training"]["thermal_cap"] or profile.limits.thermal_cap
+        if {"steps", "time_budget_s"} & set(overrides.get("training", {})):
+            # The profile trains for the horizon it was tuned for, unless told otherwise: then only as told.
+            base["training"].update(steps=None, time_budget_s=None)
+        return base, profile_file
+    if config_file:
+        return cfg.to_dict(cfg.load(cfg.ExperimentConfig, config_file)), config_file
+    transformer = overrides.get("model", {}).get("name") == "transformer"
+    return copy.deepcopy(DEFAULT_TRANSFORMER_EXPERIMENT if transformer else DEFAULT_EXPERIMENT), "the embedded default"
 
 
 def resolve_experiment(
@@ -187,41 +263,42 @@ def resolve_experiment(
     resume: bool,
     overrides: dict[str, dict[str, Any]],
     tier_defaults: bool = True,
+    overwrite: bool = False,
 ) -> tuple[cfg.ExperimentConfig, Path]:
     """The validated experiment and its run directory for `raytrm train`'s arguments.
 
     tier_defaults=False leaves the machine settings a config does not give unset: distributed workers fill them
-    from their own machines' tiers.
+    from their own machines' tiers. A new run's --out is checked here, before anything else is looked at
+    (raytrm.train.run_dir: a run there needs --resume or --overwrite); nothing is moved here.
     """
     if config_file and profile_file:
         raise UserError("give --config or --profile, not both")
+    if resume and overwrite:
+        raise UserError(
+            f"--resume continues the run in {out} and --overwrite moves it aside to start anew: give one of them"
+        )
     if resume:
         if not out:
             raise UserError("--resume needs --out RUN_DIR, the run to continue")
-        from raytrm.train.run import CONFIG_FILE, resumable_config
+        from raytrm.train.run_dir import CONFIG_FILE, resumable_config
 
         run_dir = Path(out)
         base = cfg.to_dict(resumable_config(run_dir))
         source = str(run_dir / CONFIG_FILE)
-        _refuse_changes(base, overrides, source)
-    elif profile_file:
-        profile = cfg.load_profile(profile_file)
-        base = {k: cfg.to_dict(getattr(profile, k)) for k in ("model", "data", "training")}
-        # The profile's limits are the tier's: they bound the run unless its training section says otherwise.
-        base["training"]["memory_budget_mb"] = base["training"]["memory_budget_mb"] or profile.limits.memory_budget_mb
-        base["training"]["thermal_cap"] = base["training"]["thermal_cap"] or profile.limits.thermal_cap
-        if {"steps", "time_budget_s"} & set(overrides.get("training", {})):
-            # The profile trains for the horizon it was tuned for, unless told otherwise: then only as told.
-            base["training"].update(steps=None, time_budget_s=None)
-        source = profile_file
-    elif config_file:
-        base = cfg.to_dict(cfg.load(cfg.ExperimentConfig, config_file))
-        source = config_file
+        if config_file or profile_file:
+            requested, named = _requested(config_file, profile_file, overrides)
+            asked = cfg.to_dict(cfg.from_dict(cfg.ExperimentConfig, _merge(requested, overrides), named))
+            given = f"--config {config_file}" if config_file else f"--profile {profile_file}"
+            machines_free = bool(profile_file) and not tier_defaults
+            base = _resume_with_file(base, asked, overrides, source, given, machines_free)
+        else:
+            _refuse_changes(base, overrides, source)
     else:
-        transformer = overrides.get("model", {}).get("name") == "transformer"
-        default = DEFAULT_TRANSFORMER_EXPERIMENT if transformer else DEFAULT_EXPERIMENT
-        base = copy.deepcopy(default)
-        source = "the embedded default"
+        if out:
+            from raytrm.train.run_dir import check_new_run_dir
+
+            check_new_run_dir(out, overwrite=overwrite)
+        base, source = _requested(config_file, profile_file, overrides)
     merged = _merge(base, overrides)
     if source == "the embedded default":
         merged = _apply_size_rule(merged, overrides)

@@ -10,15 +10,14 @@ from raytrm import config as cfg
 from raytrm.errors import UserError
 from raytrm.models.reference_io import load_reference_checkpoint, save_reference_checkpoint
 from raytrm.train import checkpoint as ckpt
-from raytrm.train.run import CHECKPOINT_DIR, CONFIG_FILE, resumable_config
+from raytrm.train.run_dir import CHECKPOINT_DIR, CONFIG_FILE, check_new_run_dir, guard_output, resumable_config
 from raytrm.train.trainer import Trainer
 
 
 def import_reference(checkpoint: str | Path, run_dir: str | Path, config_file: str | None = None) -> Path:
     """A new run directory whose step-0 checkpoint holds the reference weights (EMA starts from them)."""
     run_dir = Path(run_dir)
-    if (run_dir / CONFIG_FILE).exists():
-        raise UserError(f"{run_dir}: already a run directory; import into a new --out")
+    check_new_run_dir(run_dir, resumable=False)
     experiment = cfg.load(cfg.ExperimentConfig, config_file) if config_file else cfg.ExperimentConfig()
     trainer = Trainer(experiment, run_dir)
     load_reference_checkpoint(checkpoint, trainer.model)
@@ -32,6 +31,7 @@ def import_reference(checkpoint: str | Path, run_dir: str | Path, config_file: s
 def export_reference(run_dir: str | Path, out: str | Path, ema: bool = True) -> Path:
     """The run's latest good weights (the EMA copy by default, as the reference saves) in the reference layout."""
     run_dir = Path(run_dir)
+    guard_output(out)
     experiment = resumable_config(run_dir)
     state = ckpt.latest_good_checkpoint(run_dir / CHECKPOINT_DIR)
     if state is None:

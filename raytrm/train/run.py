@@ -10,6 +10,7 @@ the others read its checkpoint through the sync object when resuming.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -23,29 +24,44 @@ from raytrm.hardware.pressure import MemoryReader
 from raytrm.hardware.thermal import ThermalReader
 from raytrm.sync.contract import GradientSync
 from raytrm.train.adaptive import GovernorSettings
+from raytrm.train.checkpoint import latest_good_checkpoint
+from raytrm.train.checkpoint_fit import check_checkpoint_fits
 from raytrm.train.health import EARLY_STOP_HALTS, Health
 from raytrm.train.loop import Hook, Loop
 from raytrm.train.memory_budget import MemoryBudget
 from raytrm.train.metrics import MetricsLog, Progress
 from raytrm.train.peers import PeersHook
 from raytrm.train.recording import Checkpoints, MetricsRows, StepTimes, tokens_per_sec
+from raytrm.train.run_dir import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from raytrm.train.run_dir import resumable_config as resumable_config
 from raytrm.train.schedule import Interrupts, IntervalEvaluation, StepLimit, TimeBudget
 from raytrm.train.thermal_guard import ThermalGuard, ThermalHook
 from raytrm.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, CHECKPOINT_DIR = "config.yaml", "metrics.jsonl", "summary.json", "checkpoints"
+
+def check_resume(config: cfg.ExperimentConfig, run_dir: str | Path) -> None:
+    """What a distributed run's driver checks before any worker starts (so that a refusal is one line, with no retries
+    and no worker's traceback): the run's newest good checkpoint exists and fits config, checked against a trainer
+    built here on the CPU. Where the data is not at its path here, the workers check it where they run."""
+    run_dir = Path(run_dir)
+    state = latest_good_checkpoint(run_dir / CHECKPOINT_DIR)
+    if state is None:
+        raise UserError(_nothing_to_resume(run_dir))
+    if config.data.path and not Path(config.data.path).expanduser().exists():
+        logger.info("the checkpoint's shapes are checked on the workers: %s is not on this machine", config.data.path)
+        return
+    here = dataclasses.replace(config.training, device="cpu", compile="off")
+    trainer = Trainer(dataclasses.replace(config, training=here), run_dir)
+    try:
+        check_checkpoint_fits(state, trainer, config)
+    finally:
+        trainer.close()
 
 
-def resumable_config(run_dir: Path) -> cfg.ExperimentConfig:
-    """The config a run directory was started with; refused with the fix when the directory is not a run."""
-    path = run_dir / CONFIG_FILE
-    if not path.is_file():
-        raise UserError(
-            f"{run_dir}: not a raytrm run directory (no {CONFIG_FILE}); start one with `raytrm train --out {run_dir}`"
-        )
-    return cfg.load(cfg.ExperimentConfig, path)
+def _nothing_to_resume(run_dir: Path) -> str:
+    return f"{run_dir}: nothing to resume, no checkpoint in {run_dir / CHECKPOINT_DIR}; drop --resume to start afresh"
 
 
 def write_json(data: dict[str, Any], path: Path) -> None:
@@ -92,10 +108,7 @@ def run_training(
     resumed_from = None
     if resume:
         if not checkpoints.restore():
-            raise UserError(
-                f"{run_dir}: nothing to resume, no checkpoint in {run_dir / CHECKPOINT_DIR}; "
-                "drop --resume to start afresh"
-            )
+            raise UserError(_nothing_to_resume(run_dir))
         resumed_from = trainer.step
         logger.info("resumed %s at step %d", run_dir, trainer.step)
     if rank0:

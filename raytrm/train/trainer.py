@@ -47,6 +47,7 @@ from raytrm.sync.shares import shard, split
 from raytrm.sync.strategy import SyncStrategy
 from raytrm.train import threaded
 from raytrm.train.batches import BatchStream
+from raytrm.train.checkpoint_fit import check_checkpoint_fits
 from raytrm.train.compile import compile_regions, plan_compile, use_compile_caches
 from raytrm.train.memory import cut
 from raytrm.train.metrics import ResourceSampler
@@ -382,14 +383,9 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["config"]
-        mine = cfg.to_dict(self.config)
-        for section in ("model", "data"):
-            if saved[section] != mine[section]:
-                raise cfg.UserError(
-                    f"checkpoint was trained with a different {section} config; resume with the "
-                    f"run's own config (see its config.yaml)"
-                )
+        """Restore a checkpoint's state; one written for another experiment, or whose tensors are not this
+        config's shapes, is refused in one line before anything is restored (raytrm.train.checkpoint_fit)."""
+        check_checkpoint_fits(state, self)
         self.model.load_state_dict(state["model"])
         _load_optimizer(self.optimizer, state["optimizer"])
         if self.sparse_optimizer and state["sparse_optimizer"]:
@@ -430,7 +426,8 @@ def _number(value: object) -> bool:
 def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """optimizer.load_state_dict, then the checks torch leaves to the first step, which would fail deep inside it.
 
-    Numeric hyperparameters stay numbers (lr, eps) or tuples of as many numbers (betas); every parameter's state is
+    Numeric hyperparameters stay numbers (lr, eps) or tuples of as many numbers (betas), switches keep this run's
+    values (amsgrad, maximize); every parameter's state is
     a mapping of the same keys: its step count a number or a 0-d tensor, every other entry (the moments) a tensor of
     the parameter's shape.
     """
@@ -443,6 +440,8 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> 
             new = group[key]
             if _number(value) and not _number(new):
                 raise TypeError(f"optimizer hyperparameter {key!r}: got {new!r}, expected a number")
+            if isinstance(value, bool) and new is not None and new is not value:  # amsgrad needs a state of its own
+                raise ValueError(f"optimizer hyperparameter {key!r}: got {new!r}, this run's optimizer has {value!r}")
             if isinstance(value, tuple) and not (
                 isinstance(new, (tuple, list)) and len(new) == len(value) and all(map(_number, new))
             ):

@@ -64,10 +64,17 @@ def cluster(hosts):
     token = (a.home / ".ray" / "auth_token").read_text()
     wrong = b.root / "wrong_token"
     wrong.write_text("0" * 64)
+    wrong.chmod(0o600)
     steps["wrong_token"] = b.raytrm("cluster", "join", a.ip, "--tier", WORKER_TIER, "--token-file", str(wrong))
     steps["nodes_after_refusal"] = a.raytrm("cluster", "status", check=True)
     (b.home / ".ray").mkdir()
-    (b.home / ".ray" / "auth_token").write_text(token)  # what `scp HEAD:.ray/auth_token ~/.ray/auth_token` does
+    copied = b.home / ".ray" / "auth_token"
+    copied.write_text(token)  # what `scp HEAD:.ray/auth_token ~/.ray/auth_token` does
+    copied.chmod(0o644)  # without the `chmod 600` after it
+    steps["open_token"] = b.raytrm("cluster", "join", a.ip, "--tier", WORKER_TIER)
+    copied.chmod(0o600)
+    # The head's dashboard port: something answers there, but no Ray head.
+    steps["dashboard_port"] = b.raytrm("cluster", "join", f"{a.ip}:8265", "--tier", WORKER_TIER)
     steps["join"] = b.raytrm("cluster", "join", a.ip, "--tier", WORKER_TIER, check=True)
     steps["status"] = a.raytrm("cluster", "status", check=True)
     steps["status_from_worker"] = b.raytrm("cluster", "status", check=True)
@@ -94,9 +101,19 @@ def test_a_worker_without_the_token_is_refused(hosts, cluster):
     assert hosts["b"].ip not in cluster["nodes_after_refusal"].stdout
 
 
+def test_a_token_copied_open_to_others_or_a_port_that_is_not_the_heads_is_one_line(hosts, cluster):
+    copied = hosts["b"].home / ".ray" / "auth_token"
+    assert f"the cluster token at {copied} is open to other users (mode 0644)" in one_line(cluster["open_token"])
+    assert f"run `chmod 600 {copied}` and try again" in one_line(cluster["open_token"])
+    refused = one_line(cluster["dashboard_port"])
+    assert f"{hosts['a'].ip}:8265: something answers there, but not as a Ray head (its answer is not" in refused
+
+
 def test_the_joined_cluster_shows_both_hosts_and_their_tiers(hosts, cluster):
     a, b = hosts["a"], hosts["b"]
     assert f"joined {a.ip}:6379 as a node of tier {WORKER_TIER} at {b.ip}" in cluster["join"].stdout
+    for token in (a.home / ".ray" / "auth_token", b.home / ".ray" / "auth_token"):  # as the head and `join` left them
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600, token
     rows = {line.split()[0]: line.split() for line in cluster["status"].stdout.splitlines()}
     assert rows[a.ip][1:3] == [HEAD_TIER, "head"] and rows[b.ip][1:3] == [WORKER_TIER, "worker"]
     assert "(every node)" in cluster["status"].stdout and "jobs: none submitted" in cluster["status"].stdout

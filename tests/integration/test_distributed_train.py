@@ -3,6 +3,7 @@ their tier's profile, survive a lost worker, and bad input is one line before an
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -137,7 +138,8 @@ def test_a_lost_worker_restarts_the_group_from_the_last_checkpoint(ray_cluster, 
     assert_same_training(tmp_path / "straight", run_dir, config.training.lr)
 
 
-def test_bad_input_is_one_line_before_any_worker_starts(ray_cluster, puzzles, tmp_path):
+def test_bad_input_is_one_line_before_any_worker_starts(ray_cluster, puzzles, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # this machine's ~/.ray/auth_token, whatever its state, is not read
     config = experiment(puzzles, steps=2)
     with pytest.raises(UserError, match=r"--workers 0: expected a number of workers >= 1"):
         train_distributed(config, tmp_path / "a", workers=0)
@@ -170,3 +172,26 @@ def test_a_workers_bad_input_is_one_line_too(ray_cluster, puzzles, tmp_path):
     (checkpoints / "step-00000002.ckpt").write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match=r"no checkpoint verifies"):
         train_distributed(experiment(puzzles, steps=4), tmp_path / "run", workers=2, resume=True, max_failures=0)
+
+
+def test_a_checkpoint_that_does_not_fit_stops_a_resume_before_any_worker_starts(ray_cluster, puzzles, tmp_path, capsys):
+    """Checked by the driver: one line and exit 2, no retries, no worker's traceback (Ray Train never starts)."""
+    from raytrm.cli import main
+
+    run = tmp_path / "run"
+    run_training(experiment(puzzles, steps=2), run)
+    path = ckpt.list_checkpoints(run / "checkpoints")[-1]
+    state = ckpt.load_checkpoint(path)
+    step = state.pop("_header")["step"]
+    state["carry"]["z_H"] = state["carry"]["z_H"][..., :8].clone()  # its checksum is valid: the shape is wrong
+    ckpt.save_checkpoint(state, path.parent, step)
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--workers", "2", "--steps", "4", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert re.match(
+        rf"raytrm: error: {re.escape(str(path))}: carry.z_H holds a tensor of shape \(24, \d+, 8\), this "
+        r"config builds a tensor of shape \(24, \d+, 32\)",
+        err[0],
+    ), err[0]
+    assert not (run / "ray").exists()  # Ray Train's storage: no trainer was started

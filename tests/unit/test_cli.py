@@ -122,3 +122,69 @@ def test_train_on_missing_data_is_one_line_before_anything_else(tmp_path, args, 
     assert len(lines) == 1, run.stderr
     assert lines[0].startswith(f"raytrm: error: {message.format(tmp=tmp_path)}")
     assert not (tmp_path / "run").exists()
+
+
+def _files(path) -> dict:
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_every_writing_command_leaves_a_run_as_it_was(tiny, tmp_path, capsys):
+    """train, export-checkpoint and import-checkpoint each refuse an --out that would replace a run's work."""
+    from raytrm.config import write_yaml
+
+    config = write_yaml(tiny(), tmp_path / "tiny.yaml")
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(config), "--steps", "2", "--out", str(run), "--quiet"]) == 0
+    ref = tmp_path / "ref.pt"
+    assert main(["export-checkpoint", str(run), "--out", str(ref)]) == 0
+    capsys.readouterr()
+    before = _files(run)
+    newest = run / "checkpoints" / "step-00000002.ckpt"
+    for argv, piece in [
+        (["train", "--config", str(config), "--steps", "1", "--out", str(run)], "already holds a run"),
+        (["export-checkpoint", str(run), "--out", str(newest)], "in the checkpoint directory of the run"),
+        (["export-checkpoint", str(run), "--out", str(run / "metrics.jsonl")], "own metrics.jsonl"),
+        (["import-checkpoint", str(ref), "--out", str(run), "--config", str(config)], "already holds a run"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("raytrm: error: --out ") and piece in err[0], err
+    assert _files(run) == before
+
+
+def test_train_overwrite_keeps_the_old_run_beside_the_new(tiny, tmp_path):
+    from raytrm.config import write_yaml
+
+    config = write_yaml(tiny(), tmp_path / "tiny.yaml")
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(config), "--steps", "2", "--out", str(run), "--quiet"]) == 0
+    before = _files(run)
+    assert main(["train", "--config", str(config), "--steps", "1", "--out", str(run), "--quiet", "--overwrite"]) == 0
+    (aside,) = tmp_path.glob("run.replaced-*")
+    assert _files(aside) == before
+    assert json.loads((run / "summary.json").read_text())["steps"] == 1
+
+
+def test_resume_with_the_starting_config_takes_only_its_length(tiny, tmp_path, capsys):
+    """A --config given with --resume must describe the run; its steps (resume may change them) then apply."""
+    from raytrm import config as cfg
+
+    run = tmp_path / "run"
+    first = cfg.write_yaml(tiny(training={"steps": 2}), tmp_path / "first.yaml")
+    assert main(["train", "--config", str(first), "--out", str(run), "--quiet"]) == 0
+    longer = cfg.write_yaml(tiny(training={"steps": 3}), tmp_path / "longer.yaml")
+    assert main(["train", "--config", str(longer), "--out", str(run), "--resume", "--quiet"]) == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+    capsys.readouterr()
+    seeded = cfg.write_yaml(tiny(training={"steps": 4, "seed": 9}), tmp_path / "seeded.yaml")
+    assert main(["train", "--config", str(seeded), "--out", str(run), "--resume", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"raytrm: error: --resume continues {run / 'config.yaml'} as it was; only --steps and --time-budget may "
+        f"change, but training.seed is 3 there, 9 asked: drop --config {seeded} (the run keeps its own config), or "
+        "start a new run with another --out"
+    )
+    flagged = ["train", "--config", str(longer), "--hidden-size", "64", "--out", str(run), "--resume", "--quiet"]
+    assert main(flagged) == 2
+    err = capsys.readouterr().err
+    assert f"model.hidden_size is 32 there, 64 asked: drop --config {longer} and those flags (the run keeps" in err

@@ -8,27 +8,32 @@ import sys
 import ray
 
 from raytrm.cli import job_command
-from raytrm.distributed import cluster, node
+from raytrm.distributed import cluster, tokens
 
 
-def joined(monkeypatch, address: str | None) -> dict:
-    """The arguments connect() gives ray.init (no Ray is started)."""
+def joined(monkeypatch, address: str | None) -> tuple[dict, list]:
+    """The arguments connect() gives ray.init, and the addresses it checked first (no Ray is started, no token
+    file of this machine's is read or made, nothing is sent on the network)."""
     calls: dict = {}
+    checked: list = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.update(kw))
-    monkeypatch.setattr(node, "use_cluster_token", lambda: None)  # no token file of this machine's is read
+    monkeypatch.setattr(tokens, "use_cluster_token", lambda: None)
+    monkeypatch.setattr(tokens, "ensure_local_token", lambda: None)
+    monkeypatch.setattr(cluster, "check_address", checked.append)
     assert cluster.connect(address) is True
-    return calls
+    return calls, checked
 
 
 def test_a_ray_jobs_driver_joins_the_cluster_it_was_submitted_to(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # what Ray sets for a job's driver
-    assert joined(monkeypatch, None)["address"] == "auto"
+    assert joined(monkeypatch, None) == ({"address": "auto", "log_to_driver": True}, ["auto"])
 
 
 def test_without_a_job_or_an_address_a_local_ray_is_started(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert joined(monkeypatch, None)["address"] == "local"
+    calls, checked = joined(monkeypatch, None)
+    assert calls["address"] == "local" and checked == []
 
 
 def test_the_head_prints_a_job_line_that_runs_raytrm_tune_on_the_cluster():

@@ -1,14 +1,12 @@
-"""A node's `ray start`: token file, address, object store, labels, version check and error lines (no Ray started)."""
+"""A node's `ray start`: its address, the head's address, object store, labels, version check and error lines (no Ray
+started)."""
 
 from __future__ import annotations
 
 import json
-import os
-import stat
 
 import pytest
 
-from raytrm.cli import main
 from raytrm.distributed import node as nodes
 from raytrm.errors import UserError
 
@@ -21,37 +19,25 @@ SPEC = nodes.NodeSpec(
 )
 
 
-def mode(path) -> int:
-    return stat.S_IMODE(path.stat().st_mode)
-
-
-def test_the_head_token_is_created_private_and_kept(tmp_path):
-    token = tmp_path / ".ray" / "auth_token"
-    assert nodes.ensure_token(token) is True
-    text = token.read_text()
-    assert mode(token) == 0o600 and len(text) == 64 and int(text, 16) >= 0
-    assert nodes.ensure_token(token) is False and token.read_text() == text  # joined nodes keep working
-    token.chmod(0o644)  # as Ray writes its own
-    nodes.ensure_token(token)
-    assert mode(token) == 0o600
-
-
-def test_a_missing_or_empty_token_says_how_to_bring_it(tmp_path):
-    with pytest.raises(UserError, match=r"no cluster token at .*missing.*scp 10\.0\.0\.1:\.ray/auth_token"):
-        nodes.read_token(tmp_path / "missing", head="10.0.0.1")
-    (tmp_path / "empty").write_text("\n")
-    with pytest.raises(UserError, match="no cluster token"):
-        nodes.read_token(tmp_path / "empty")
-    (tmp_path / "ok").write_text("ab12\n")
-    assert nodes.read_token(tmp_path / "ok") == "ab12"
-
-
 def test_the_node_address():
-    assert nodes.lan_address("192.168.1.20") == "192.168.1.20"
-    with pytest.raises(UserError, match=r"--node-ip mac\.local: not an IPv4 address"):
-        nodes.lan_address("mac.local")
+    assert nodes.lan_address("127.0.0.1") == "127.0.0.1"
+    for wrong in ("mac.local", "300.1.1", "1.2.3.4 ", "", "0x7f.1", "1.2.3"):
+        with pytest.raises(UserError, match=r"^--node-ip '.*': not an IPv4 address; give this Mac's LAN address$"):
+            nodes.lan_address(wrong)
     found = nodes.lan_address()
     assert found.count(".") == 3 and not found.startswith("127.")
+    assert found in nodes.local_addresses() and nodes.local_addresses()[-1].startswith("127.")
+
+
+def test_a_node_address_this_machine_does_not_hold_is_refused_with_the_ones_it_does():
+    # 203.0.113.0/24 is TEST-NET-3: documentation only, never a machine's address.
+    with pytest.raises(UserError) as refused:
+        nodes.lan_address("203.0.113.77")
+    held = ", ".join(nodes.local_addresses())
+    assert str(refused.value) == (
+        f"--node-ip 203.0.113.77: not an address of this Mac (it holds {held}); give one of them, or leave --node-ip "
+        "out to use the LAN interface's"
+    )
 
 
 def test_gloo_is_bound_to_the_interface_of_the_node_address():
@@ -97,21 +83,48 @@ def test_ray_labels_accept_what_the_node_advertises():
     validate_node_label_syntax(SPEC.labels())  # raises on a key or value Ray would refuse
 
 
-def test_the_environment_turns_token_auth_on_and_macos_clustering(tmp_path):
-    env = nodes.ray_environment(tmp_path / "t", platform="darwin")
-    assert env == {
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN_PATH": str(tmp_path / "t"),
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
-    }
-    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in nodes.ray_environment(tmp_path / "t", platform="linux")
-
-
-def test_addresses_and_version_checks():
+def test_addresses():
     assert nodes.split_address("10.0.0.1") == ("10.0.0.1", 6379)
     assert nodes.split_address("10.0.0.1:7000") == ("10.0.0.1", 7000)
-    with pytest.raises(UserError, match="expected HEAD or HEAD:PORT"):
-        nodes.split_address("10.0.0.1:port")
+    assert nodes.split_address("mac-studio.local:1") == ("mac-studio.local", 1)
+    assert nodes.split_address("h:65535", what="--address", default_port=None) == ("h", 65535)
+    with pytest.raises(UserError, match=r"^--address 'h': got no port, expected HOST:PORT \(e\.g\. 192"):
+        nodes.split_address("h", what="--address", default_port=None)
+
+
+@pytest.mark.parametrize(
+    ("address", "found"),
+    [
+        ("10.0.0.1:port", "got port 'port'"),
+        ("10.0.0.1:0", "got port '0'"),
+        ("10.0.0.1:65536", "got port '65536'"),
+        ("10.0.0.1:99999", "got port '99999'"),
+        ("10.0.0.1:-1", "got port '-1'"),
+        ("10.0.0.1:", "got port ''"),
+        ("10.0.0.1: 80", "got port ' 80'"),
+        ("10.0.0.1:\u0661\u0662", "got port '\u0661\u0662'"),  # digits, but not ASCII ones
+    ],
+)
+def test_a_port_out_of_range_or_not_a_number_is_refused_naming_it_and_the_range(address, found):
+    with pytest.raises(UserError) as refused:
+        nodes.split_address(address)
+    assert str(refused.value) == (
+        f"the head's address {address!r}: {found}, expected a port from 1 to 65535 (e.g. 192.168.1.10:6379)"
+    )
+
+
+@pytest.mark.parametrize("address", [":6379", "", "[::1]:6379", "::1", "a b:1", "h\n:1", "x" * 254 + ":1", "-h:1"])
+def test_a_host_that_is_empty_or_no_host_name_is_refused(address):
+    with pytest.raises(UserError, match=r"^the head's address '.*': got (an empty host|host '.*'), expected an IPv4"):
+        nodes.split_address(address)
+
+
+def test_the_port_numbers():
+    assert [nodes.port_number(t) for t in ("1", "6379", "65535", "06379")] == [1, 6379, 65535, 6379]
+    assert [nodes.port_number(t) for t in ("0", "65536", "-1", "", "abc", "1e3", "+80", "123456")] == [None] * 8
+
+
+def test_version_checks():
     head = SPEC.labels()
     assert nodes.version_mismatch(head, dict(head)) is None
     mine = {**head, "raytrm/torch": "2.12.0", "raytrm/raytrm": "0.2.0"}
@@ -134,32 +147,3 @@ def test_a_failed_ray_command_is_its_reason_in_one_line():
     assert nodes._ray_error("") == "no output"
     with pytest.raises(UserError, match=r"^ray start failed: .*No such option"):
         nodes.run_ray([*nodes.start_command(SPEC)[:4], "--no-such-option"], {}, "ray start")
-
-
-@pytest.mark.parametrize(
-    ("argv", "piece"),
-    [
-        (["cluster", "join", "10.0.0.1", "--token-file", "{tmp}/none"], "no cluster token at"),
-        (["cluster", "join", "10.0.0.1:x", "--token-file", "{tmp}/none"], "expected HEAD or HEAD:PORT"),
-        (["cluster", "join", "127.0.0.1:9", "--token-file", "{tmp}/token"], "cannot reach the head at 127.0.0.1:9"),
-        (["cluster", "head", "--tier", "no-such-tier"], "--tier no-such-tier: not in the tier table"),
-        (["cluster", "head", "--node-ip", "300.1.1"], "--node-ip 300.1.1: not an IPv4 address"),
-    ],
-)
-def test_bad_cluster_input_is_one_line_and_starts_nothing(tmp_path, capsys, argv, piece):
-    (tmp_path / "token").write_text("ab" * 32)
-    code = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and piece in err[0], err
-
-
-def test_a_driver_on_a_node_turns_token_auth_on_when_it_holds_the_token(tmp_path, monkeypatch):
-    # A private copy of the environment: what the function sets must not reach the other tests (or Ray).
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("RAY_")})
-    assert nodes.use_cluster_token(tmp_path / "missing") is False and "RAY_AUTH_MODE" not in os.environ
-    token = tmp_path / "auth_token"
-    token.write_text("ab" * 32)
-    assert nodes.use_cluster_token(token) is True
-    assert os.environ["RAY_AUTH_MODE"] == "token" and os.environ["RAY_AUTH_TOKEN_PATH"] == str(token)
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # said otherwise: left alone
-    assert nodes.use_cluster_token(token) is False and os.environ["RAY_AUTH_MODE"] == "disabled"

@@ -96,9 +96,10 @@ def test_known_and_generic_tier_overrides_load(tmp_path):
     assert load_space(path).limits.tiers["macbook-air-8gb"]["memory_budget_mb"] == 4000
 
 
-def test_an_unreachable_cluster_address_is_one_line_and_leaves_nothing(tmp_path, capsys):
+def test_an_unreachable_cluster_address_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
     from raytrm.cli import main
 
+    monkeypatch.setenv("HOME", str(tmp_path))  # this machine's ~/.ray/auth_token, whatever its state, is not read
     run = tmp_path / "run"
     assert main(["tune", "--address", "127.0.0.1:1", "--out", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
