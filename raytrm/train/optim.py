@@ -29,6 +29,26 @@ def build_optimizer(model: nn.Module, train: cfg.TrainConfig, device: torch.devi
     return kind(model.parameters(), lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay, **extra)
 
 
+def step_weights(
+    optimizer: torch.optim.Optimizer, model: nn.Module, lr: float, grad_clip: float | None, *, watch: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One step of the weights' optimizer at lr, the gradients zeroed after; returns the gradient's norm before
+    clipping (clipped to grad_clip where set) and, when watched, the update/weight ratio (both on the device)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    # The norm before clipping is the one clipping computes anyway; without clipping, one read of the gradients.
+    if grad_clip:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    else:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else None
+    watched = [p.detach() for p in model.parameters() if p.grad is not None] if watch else []
+    before = torch._foreach_mul(watched, 1.0) if watched else None
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, update_ratio(before, watched) if before is not None else None
+
+
 def lr_at(step: int, train: cfg.TrainConfig, total_steps: int | None) -> float:
     """Linear warm-up to lr, then constant or cosine down to min_lr_ratio * lr."""
     if train.warmup_steps and step < train.warmup_steps:
@@ -262,3 +282,59 @@ class ModelEMA:
             for name, value in state["shadow"].items():
                 if name in self.shadow:
                     self.shadow[name].copy_(value)
+
+
+def update_ratio(before: list[torch.Tensor], after: list[torch.Tensor]) -> torch.Tensor:
+    """||after - before|| / ||before|| over all the tensors taken as one vector (on the device, not read)."""
+    torch._foreach_sub_(before, after)  # before now holds minus the update
+    update = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(before)]))
+    weights = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(after)]))
+    return update / weights.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """optimizer.load_state_dict, then the checks torch leaves to the first step, which would fail deep inside it.
+
+    Numeric hyperparameters stay numbers (lr, eps) or tuples of as many numbers (betas), switches keep this run's
+    values (amsgrad, maximize); every parameter's state is
+    a mapping of the same keys: its step count a number or a 0-d tensor, every other entry (the moments) a tensor of
+    the parameter's shape.
+    """
+    before = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for old, group in zip(before, optimizer.param_groups, strict=True):
+        for key, value in old.items():
+            if key not in group:  # torch takes the saved groups whole: a key they lack is gone until a step needs it
+                raise KeyError(f"optimizer hyperparameter {key!r} is missing")
+            new = group[key]
+            if _number(value) and not _number(new):
+                raise TypeError(f"optimizer hyperparameter {key!r}: got {new!r}, expected a number")
+            if isinstance(value, bool) and new is not None and new is not value:  # amsgrad needs a state of its own
+                raise ValueError(f"optimizer hyperparameter {key!r}: got {new!r}, this run's optimizer has {value!r}")
+            if isinstance(value, tuple) and not (
+                isinstance(new, (tuple, list)) and len(new) == len(value) and all(map(_number, new))
+            ):
+                raise ValueError(f"optimizer hyperparameter {key!r}: got {new!r}, expected {len(value)} numbers")
+    keys = None
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            saved = optimizer.state.get(param)
+            if saved is not None and not isinstance(saved, dict):
+                raise TypeError(f"optimizer state of a parameter: got {type(saved).__name__}, expected a mapping")
+            if not saved:
+                continue
+            keys = set(saved) if keys is None else keys
+            if set(saved) != keys:
+                raise KeyError(f"optimizer state of a parameter holds {sorted(saved)}, the others {sorted(keys)}")
+            for key, value in saved.items():
+                tensor = isinstance(value, torch.Tensor)
+                if key == "step" and (_number(value) or (tensor and value.shape == ())):
+                    continue
+                if key != "step" and tensor and value.shape == param.shape:
+                    continue
+                what = tuple(value.shape) if tensor else type(value).__name__
+                raise ValueError(f"optimizer state {key!r} of a {tuple(param.shape)} parameter: got {what}")

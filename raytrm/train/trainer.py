@@ -1,26 +1,19 @@
 """The one Trainer: alone, inside a Tune trial or inside a Ray Train worker, the same optimizer steps.
 
 Life cycle (as torchtitan's):
-- construction: `Trainer(config, run_dir, threads=, interop_threads=, sync=, shares=)` applies the thread counts,
-  picks the device and dtype, and builds from the config a task (raytrm.train.tasks: the model family's data, model,
-  losses and evaluation; TRM's carry and sparse optimizer), the optimizer, the EMA and the compiled regions. It is
-  handed the collectives of its fellow workers (raytrm.sync.contract; none alone) and this worker's share of each
-  global batch, and builds the run's sync strategy over them (raytrm.sync.strategy); run_dir is recorded only (the
-  run loop writes the directory).
-- `train_step` does one optimizer step over one global batch: accumulate this worker's micro-batches, reduce them
-  with the sync strategy (gradients and metrics summed over the workers, or this worker's own inside a local round),
-  apply the optimizer; it returns a `StepResult`. Given `on_out_of_memory`, a step the allocator refuses is redone
-  from the same state at the smaller cut it returns. `forward_backward` and `optimizer_step` are its two halves, for
-  checks that look at the gradient in between. `set_micro_batch` and `set_shares` re-cut the following global
-  batches; neither changes a step's samples or gradient.
-- `evaluate` scores the EMA weights on the held-out split.
-- `state_dict` / `load_state_dict` capture everything a resume needs (model, optimizers, EMA, carry, step, RNG,
-  data position, config).
-- `close` releases the batch stream (and its loader processes), the sync strategy's hooks and the threads of
-  side-by-side micro-batches.
+- `Trainer(config, run_dir, threads=, interop_threads=, sync=, shares=)` applies the thread counts, picks the device
+  and dtype, and builds from the config a task (raytrm.train.tasks: the family's data, model, losses, evaluation),
+  the optimizer, the EMA, the compiled regions, and the run's sync strategy (raytrm.sync.strategy) over the
+  collectives it is handed (none alone) with this worker's share of each global batch.
+- `train_step`: accumulate this worker's micro-batches, reduce them with the sync strategy, apply the optimizer;
+  a step the allocator refuses is redone from the same state at the smaller cut `on_out_of_memory` returns.
+  `forward_backward` and `optimizer_step` are its halves. `set_micro_batch` and `set_shares` re-cut the following
+  global batches, never a step's samples or gradient.
+- `evaluate` scores the EMA weights on the held-out split; `state_dict` / `load_state_dict` hold everything a resume
+  needs (raytrm.train.trainer_state); `close` releases the batch stream, the sync's hooks and the threads.
 
-The Trainer has no loop: raytrm.train.loop drives `train_step` and asks its hooks (memory, heat, evaluations, stop
-rules, peers, metrics, checkpoints) around each step. Ray code wraps a Trainer; it never reaches into it.
+The Trainer has no loop: raytrm.train.loop drives `train_step` and asks its hooks around each step. Ray code wraps a
+Trainer; it never reaches into it.
 """
 
 from __future__ import annotations
@@ -45,14 +38,13 @@ from raytrm.sync.contract import GradientSync, LocalSync
 from raytrm.sync.mode import read_sums
 from raytrm.sync.shares import shard, split
 from raytrm.sync.strategy import SyncStrategy
-from raytrm.train import threaded
+from raytrm.train import threaded, trainer_state
 from raytrm.train.batches import BatchStream
-from raytrm.train.checkpoint_fit import check_checkpoint_fits
 from raytrm.train.compile import compile_regions, plan_compile, use_compile_caches
 from raytrm.train.memory import cut
 from raytrm.train.metrics import ResourceSampler
 from raytrm.train.oom import is_out_of_memory
-from raytrm.train.optim import ModelEMA, build_optimizer, lr_at
+from raytrm.train.optim import ModelEMA, build_optimizer, lr_at, step_weights
 from raytrm.train.peak import one_heap
 from raytrm.train.tasks import Scalar, make_task
 from raytrm.train.threads import apply_threads
@@ -176,12 +168,9 @@ class Trainer:
     def train_step(
         self, batch: dict[str, torch.Tensor] | None = None, on_out_of_memory: Callable[[int], int] | None = None
     ) -> StepResult:
-        """One optimizer step over one global batch: forward_backward, then optimizer_step.
-
-        If the allocator raises out-of-memory (CUDA, MPS) and on_out_of_memory is given, it is told the step and
-        returns a smaller micro-batch; the same samples (with TRM, the same exploration draws) are redone from the
-        same state (TRM's carry), so nothing is lost or doubled.
-        """
+        """One optimizer step over one global batch: forward_backward, then optimizer_step. A step the allocator
+        refuses (CUDA, MPS) is redone at the cut on_out_of_memory returns: the same samples and draws from the same
+        state (TRM's carry), so nothing is lost or doubled."""
         start = time.perf_counter()
         sums = self._forward_backward(batch, on_out_of_memory, prefetch=batch is None)
         self.optimizer_step()
@@ -199,12 +188,9 @@ class Trainer:
     def forward_backward(
         self, batch: dict[str, torch.Tensor] | None = None, on_out_of_memory: Callable[[int], int] | None = None
     ) -> tuple[float, dict[str, float | None]]:
-        """Accumulate the gradient of one global batch, cut into micro-batches; each TRM slot keeps its own carry.
-
-        Every micro-batch's loss is divided by a count of the whole global batch (the task's), so the accumulated
-        gradient is the gradient of the whole batch whatever the cut; with several workers each accumulates its own
-        slots and the sync object sums gradients and metrics. Returns the loss and the metrics as rates.
-        """
+        """Accumulate the gradient of one global batch, cut into micro-batches, and reduce it with the sync strategy;
+        returns the loss and the metrics as rates. Every micro-batch's loss is divided by a count of the whole global
+        batch (the task's), so the gradient is the whole batch's whatever the cut and the shares."""
         return self._read(*self._forward_backward(batch, on_out_of_memory))
 
     def _read(self, loss: Scalar, totals: dict[str, Scalar], samples: int) -> tuple[float, dict[str, float | None]]:
@@ -298,14 +284,14 @@ class Trainer:
 
         TRM's carry slots move with their samples: the whole carry is gathered, then each worker keeps its new slots.
         """
-        full = self._global_carry()
+        full = self.global_carry()
         self.shares = list(shares)
         self.shard = shard(self.shares, self.sync.rank)
         if full is not None:
             self.task.load_carry({k: v[self.shard] for k, v in full.items()}, self.device)
         self.cuts = cut(self.local_batch, self.micro_batch)
 
-    def _global_carry(self) -> dict[str, torch.Tensor] | None:
+    def global_carry(self) -> dict[str, torch.Tensor] | None:
         """The carry of every slot of the global batch (a collective with several workers); None without one."""
         state = self.task.carry_state()
         if state is None or self.sync.world_size == 1:
@@ -316,19 +302,9 @@ class Trainer:
         """Apply the accumulated gradient: main optimizer, SignSGD on the puzzle embedding, then the EMA."""
         train = self.config.training
         lr = self.current_lr = lr_at(self.step, train, train.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        # The norm before clipping is the one clipping computes anyway; without clipping, one read of the gradients.
-        if train.grad_clip:
-            self._grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip)
-        else:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            self._grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
-        watched = [p.detach() for p in self.model.parameters() if p.grad is not None] if self.watch_update else []
-        before = torch._foreach_mul(watched, 1.0) if watched else None
-        self.optimizer.step()
-        self._update_ratio = _update_ratio(before, watched) if before is not None else None
-        self.optimizer.zero_grad(set_to_none=True)
+        self._grad_norm, self._update_ratio = step_weights(
+            self.optimizer, self.model, lr, train.grad_clip, watch=self.watch_update
+        )
         if self.sparse_optimizer is not None:
             # The embedding follows the same warm-up and schedule, scaled to its own learning rate.
             self.sparse_optimizer.lr = lr * train.puzzle_emb_lr / train.lr
@@ -363,105 +339,11 @@ class Trainer:
     # -- state -----------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs: model, optimizers, EMA, carry, step, RNG states, data position, config.
-
-        The carry is the whole global batch's, so a resume may split it between another number of workers.
-        """
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "sparse_optimizer": self.sparse_optimizer.state_dict() if self.sparse_optimizer else None,
-            "ema": self.ema.state_dict() if self.ema else None,
-            "carry": self._global_carry(),
-            "cuts": list(self.cuts),
-            "shares": list(self.shares),
-            "micro_batches": [int(row[0]) for row in self.sync.gather_floats([self.micro_batch])],
-            "step": self.step,
-            "samples_seen": self.samples_seen,
-            "rng": {"torch": torch.get_rng_state(), **self.task.rng_state()},
-            "config": cfg.to_dict(self.config),
-        }
+        """Everything a resume needs (raytrm.train.trainer_state): model, optimizers, EMA, carry, step, RNG states,
+        data position, config; with several workers a collective."""
+        return trainer_state.capture(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint's state; one written for another experiment, or whose tensors are not this
         config's shapes, is refused in one line before anything is restored (raytrm.train.checkpoint_fit)."""
-        check_checkpoint_fits(state, self)
-        self.model.load_state_dict(state["model"])
-        _load_optimizer(self.optimizer, state["optimizer"])
-        if self.sparse_optimizer and state["sparse_optimizer"]:
-            _load_optimizer(self.sparse_optimizer, state["sparse_optimizer"])
-        if self.ema and state["ema"]:
-            self.ema.load_state_dict(state["ema"])
-        # On as many workers as saved: the same split and cuts, so the same sums in the same order. On another
-        # number: this run's split, each worker cutting at the micro-batch the run had reached.
-        saved = [int(b) for b in state.get("shares", [self.global_batch])]
-        same_workers = len(saved) == self.sync.world_size
-        if same_workers:
-            self.shares, self.shard = saved, shard(saved, self.sync.rank)
-        carry = state["carry"]
-        self.task.load_carry({k: v[self.shard] for k, v in carry.items()} if carry else None, self.device)
-        micro = state.get("micro_batches") or [max(int(c) for c in state["cuts"])]
-        self.cuts = cut(self.local_batch, int(micro[self.sync.rank] if same_workers else micro[0]))
-        self.step = int(state["step"])
-        self.samples_seen = int(state["samples_seen"])
-        if self.step < 0 or self.samples_seen < 0:  # the batch stream is a function of the step: no negative ones
-            raise ValueError(f"step {self.step} and samples_seen {self.samples_seen}: expected counts >= 0")
-        torch.set_rng_state(state["rng"]["torch"])
-        self.task.load_rng_state(state["rng"])
-        self.batches.restart()  # at the resumed step
-
-
-def _update_ratio(before: list[torch.Tensor], after: list[torch.Tensor]) -> torch.Tensor:
-    """||after - before|| / ||before|| over all the tensors taken as one vector (on the device, not read)."""
-    torch._foreach_sub_(before, after)  # before now holds minus the update
-    update = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(before)]))
-    weights = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(after)]))
-    return update / weights.clamp_min(torch.finfo(torch.float32).tiny)
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """optimizer.load_state_dict, then the checks torch leaves to the first step, which would fail deep inside it.
-
-    Numeric hyperparameters stay numbers (lr, eps) or tuples of as many numbers (betas), switches keep this run's
-    values (amsgrad, maximize); every parameter's state is
-    a mapping of the same keys: its step count a number or a 0-d tensor, every other entry (the moments) a tensor of
-    the parameter's shape.
-    """
-    before = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for old, group in zip(before, optimizer.param_groups, strict=True):
-        for key, value in old.items():
-            if key not in group:  # torch takes the saved groups whole: a key they lack is gone until a step needs it
-                raise KeyError(f"optimizer hyperparameter {key!r} is missing")
-            new = group[key]
-            if _number(value) and not _number(new):
-                raise TypeError(f"optimizer hyperparameter {key!r}: got {new!r}, expected a number")
-            if isinstance(value, bool) and new is not None and new is not value:  # amsgrad needs a state of its own
-                raise ValueError(f"optimizer hyperparameter {key!r}: got {new!r}, this run's optimizer has {value!r}")
-            if isinstance(value, tuple) and not (
-                isinstance(new, (tuple, list)) and len(new) == len(value) and all(map(_number, new))
-            ):
-                raise ValueError(f"optimizer hyperparameter {key!r}: got {new!r}, expected {len(value)} numbers")
-    keys = None
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            saved = optimizer.state.get(param)
-            if saved is not None and not isinstance(saved, dict):
-                raise TypeError(f"optimizer state of a parameter: got {type(saved).__name__}, expected a mapping")
-            if not saved:
-                continue
-            keys = set(saved) if keys is None else keys
-            if set(saved) != keys:
-                raise KeyError(f"optimizer state of a parameter holds {sorted(saved)}, the others {sorted(keys)}")
-            for key, value in saved.items():
-                tensor = isinstance(value, torch.Tensor)
-                if key == "step" and (_number(value) or (tensor and value.shape == ())):
-                    continue
-                if key != "step" and tensor and value.shape == param.shape:
-                    continue
-                what = tuple(value.shape) if tensor else type(value).__name__
-                raise ValueError(f"optimizer state {key!r} of a {tuple(param.shape)} parameter: got {what}")
+        trainer_state.restore(self, state)
