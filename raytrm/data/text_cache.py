@@ -30,11 +30,13 @@ import psutil
 
 from raytrm.config import DataConfig
 from raytrm.constants import cache_dir
-from raytrm.errors import UserError
+from raytrm.errors import ConfigError, UserError
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+#: 2: records are checked as they are read (a null text or label refused, not kept as "None"), so a cache built
+#: by version 1 from such a file is built again, and refused.
+CACHE_VERSION = 2
 RECORD_SUFFIXES = (".jsonl", ".csv")
 #: The default language-model corpus reads standard-library sources up to this many bytes (quick to build and train).
 DEFAULT_LM_BYTES = 8 * 2**20
@@ -137,35 +139,103 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
     check(b"", final=True)
 
 
+def _text_of(value: object, where: str, field: str, flag: str) -> str:
+    """A record's text: a string with something in it. A null, a number or a structure is refused, not converted:
+    str() of them ("None", "3", "{...}") would train the model on text that is not in the file."""
+    if isinstance(value, str) and value:
+        return value
+    raise ConfigError(
+        where,
+        field,
+        value,
+        "the document's text, a non-empty string",
+        f"fill in or drop the record, or pass {flag} naming the field that holds the text",
+    )
+
+
+def _label_of(value: object, where: str, field: str, flag: str) -> str:
+    """A record's class: a non-empty string, or an integer (taken as its decimal string: 3 and "3" are one class).
+    A null, an empty string, a float, a boolean or a structure is refused: each would become a class of its own
+    ("None", "", "1.0") that the file never meant."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, str) and value.strip():
+        return value
+    raise ConfigError(
+        where,
+        field,
+        value,
+        "the document's class, a non-empty string or an integer",
+        f"label the record or drop it, or pass {flag} naming the field that holds the label",
+    )
+
+
 def _records(path: Path, text_field: str, label_field: str | None) -> Iterator[Document]:
-    """JSONL or CSV records as documents; a missing field is an error naming the file and the record."""
-    raw = b"".join(_file_chunks(path)).decode("utf-8")
+    """JSONL or CSV records as documents. Every record is checked where it is read, and a bad one is refused with
+    its file, line, field and value (see _text_of and _label_of), never skipped: dropping records silently would
+    change the data trained on."""
+    raw = b"".join(_file_chunks(path)).decode("utf-8").removeprefix("\ufeff")  # a BOM would rename the first column
+    fields = ((text_field, "--text-field", _text_of), (label_field, "--label-field", _label_of))
     if path.suffix == ".csv":
-        reader = csv.DictReader(io.StringIO(raw, newline=""))
-        columns = reader.fieldnames or []
-        for name, flag in ((text_field, "--text-field"), (label_field, "--label-field")):
-            if name is not None and name not in columns:
-                raise UserError(
-                    f"{path}: no column {name!r} (columns: {', '.join(columns) or 'none'}); "
-                    f"fix: pass {flag} with one of them"
-                )
-        for i, row in enumerate(reader, start=2):
-            label = row[label_field] if label_field is not None else None
-            yield f"{path}:{i}", label, iter([(row[text_field] or "").encode()])
+        yield from _csv_records(path, raw, [f for f in fields if f[0] is not None])
         return
     for i, line in enumerate(raw.splitlines(), start=1):
         if not line.strip():
             continue
+        where = f"{path}:{i}"
         try:
             record = json.loads(line)
         except ValueError as e:
-            raise UserError(f"{path}:{i}: not a JSON object ({e.msg}); fix: one JSON object per line") from None
-        for name, flag in ((text_field, "--text-field"), (label_field, "--label-field")):
-            if name is not None and (not isinstance(record, dict) or name not in record):
-                keys = ", ".join(record) if isinstance(record, dict) else "none"
-                raise UserError(f"{path}:{i}: no field {name!r} (fields: {keys}); fix: pass {flag} with the right name")
-        label = str(record[label_field]) if label_field is not None else None
-        yield f"{path}:{i}", label, iter([str(record[text_field]).encode()])
+            raise UserError(f"{where}: not a JSON object ({e.msg}); fix: one JSON object per line") from None
+        except RecursionError:
+            raise UserError(f"{where}: a JSON value nested too deep; fix: one flat JSON object per line") from None
+        if not isinstance(record, dict):
+            raise ConfigError(where, "(the record)", record, "a JSON object", "one JSON object per line")
+        values = []
+        for name, flag, check in fields:
+            if name is None:
+                values.append(None)
+                continue
+            if name not in record:
+                raise UserError(
+                    f"{where}: no field {name!r} (fields: {', '.join(map(str, record)) or 'none'}); "
+                    f"fix: add it, or pass {flag} with the right name"
+                )
+            values.append(check(record[name], where, name, flag))
+        yield where, values[1], iter([values[0].encode()])
+
+
+def _csv_records(path: Path, raw: str, fields: list) -> Iterator[Document]:
+    # A document's text may be longer than the csv module's default field limit (128 KiB).
+    csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))
+    reader = csv.DictReader(io.StringIO(raw, newline=""))
+    try:
+        columns = reader.fieldnames or []
+        for name, flag, _ in fields:
+            if name not in columns:
+                raise UserError(
+                    f"{path}: no column {name!r} (columns: {', '.join(columns) or 'none'}); "
+                    f"fix: pass {flag} with one of them"
+                )
+        for row in reader:
+            where = f"{path}:{reader.line_num}"
+            if None in row:  # DictReader keeps a row's cells past the header under None
+                raise UserError(
+                    f"{where}: {len(columns) + len(row[None])} cells, the header has {len(columns)}; fix: quote a "
+                    'cell that holds a comma ("a, b"), or drop the extra cells'
+                )
+            short = [name for name, _, _ in fields if row[name] is None]  # DictReader fills a short row with None
+            if short:
+                cells = sum(value is not None for value in row.values())
+                raise UserError(
+                    f"{where}: {cells} cells, the header has {len(columns)}: no {short[0]!r}; fix: fill in the "
+                    "row's missing cells, or drop the row"
+                )
+            values = {name: check(row[name], where, name, flag) for name, flag, check in fields}
+            label = values.get(fields[1][0]) if len(fields) > 1 else None
+            yield where, label, iter([values[fields[0][0]].encode()])
+    except csv.Error as e:
+        raise UserError(f"{path}:{reader.line_num}: not CSV ({e}); fix: check the quoting there") from None
 
 
 def _documents(root: Path, files: list[Path], data: DataConfig, labelled: bool) -> Iterator[Document]:
@@ -278,6 +348,28 @@ def require_source(path: str | Path) -> Path:
     return root
 
 
+def _read_meta(directory: Path) -> dict | None:
+    """A cache's meta.json, where the cache reads whole (its arrays there, of the sizes it records); None otherwise:
+    the cache is raytrm's own, so a damaged one is built again rather than refused."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        offsets = np.load(directory / "offsets.npy", allow_pickle=False)
+        labels = np.load(directory / "labels.npy", allow_pickle=False)
+        size = (directory / "tokens.u8").stat().st_size
+        intact = (
+            isinstance(meta, dict)
+            and isinstance(meta.get("label_names"), list)
+            and meta.get("documents") == len(labels) == len(offsets) - 1
+            and meta.get("bytes") == size == int(offsets[-1])
+            and isinstance(meta.get("source"), str)
+            and offsets.ndim == labels.ndim == 1
+            and (not len(labels) or (int(labels.min()) >= -1 and int(labels.max()) < len(meta["label_names"])))
+        )
+    except (OSError, ValueError, TypeError, EOFError, IndexError):
+        return None
+    return meta if intact else None
+
+
 def build_cache(data: DataConfig, labelled: bool) -> Path:
     """The cache directory for a text config, built (or rebuilt, when its sources changed) first if needed."""
     directory, source = cache_location(data, labelled)
@@ -287,12 +379,13 @@ def build_cache(data: DataConfig, labelled: bool) -> Path:
     else:
         root, files = stdlib_dir(), _stdlib_files()
     stamp = fingerprint(files)
-    meta_path = directory / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("fingerprint") == stamp:
-            return directory
-        logger.info("%s changed since its token cache was built: rebuilding %s", source, directory)
+    meta = _read_meta(directory)
+    if meta is not None and meta.get("fingerprint") == stamp:
+        return directory
+    if (directory / "meta.json").is_file():
+        logger.info(
+            "%s changed since its token cache was built (or the cache is damaged): rebuilding %s", source, directory
+        )
     else:
         logger.info("building the token cache of %s in %s", source, directory)
     documents = _documents(root, files, data, labelled) if data.path else _stdlib_documents(files, labelled)
@@ -317,7 +410,9 @@ def _in_memory(size: int, data: DataConfig) -> tuple[bool, str]:
 def open_cache(data: DataConfig, labelled: bool) -> TokenCache:
     """Build or reuse the token cache of a text config and open it, in memory or streamed (logged with why)."""
     directory = build_cache(data, labelled)
-    meta = json.loads((directory / "meta.json").read_text())
+    meta = _read_meta(directory)
+    if meta is None:  # changed between its check and now: another process is building it
+        raise UserError(f"{directory}: the token cache changed while it was opened; fix: run again")
     offsets = np.load(directory / "offsets.npy")
     labels = np.load(directory / "labels.npy")
     where = meta["source"]
