@@ -4,7 +4,6 @@ settings fastest first, the learning configs that trained to the horizon, and ho
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +11,23 @@ import optuna
 
 from raytrm.errors import UserError
 from raytrm.tune import objectives, staged
-from raytrm.tune.layout import RATES_DIR, read_state, run_space
+from raytrm.tune.layout import RATES_DIR, read_result, read_state, run_space, study_db
 
 
 def load_study(state: dict[str, Any], name: str) -> optuna.Study:
-    """One of the run's studies, by name, from the storage its state names."""
+    """One of the run's studies, by name, from the storage its state names; a storage that does not hold it is one
+    line."""
+    import sqlalchemy.exc
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.load_study(study_name=name, storage=state["storage"])
+    db = study_db(state)
+    fix = "restore the run's study.db, or tune again into a new directory (--out NEW_DIR)"
+    try:
+        return optuna.load_study(study_name=name, storage=state["storage"])
+    except KeyError:  # optuna's answer for a study name the storage does not hold
+        raise UserError(f"{db}: no study {name!r}, which tune.yaml names; {fix}") from None
+    except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as e:  # a damaged file, or a schema optuna cannot read
+        raise UserError(f"{db}: cannot read study {name!r} ({str(e).strip().splitlines()[0]}); {fix}") from None
 
 
 def _check_tier(run_dir: Path, state: dict[str, Any], tier: str) -> None:
@@ -67,7 +76,7 @@ def rates(run_dir: Path, tier: str) -> dict[int, dict[str, Any]]:
     for path in (run_dir / RATES_DIR).glob(f"{tier}-*.json"):
         number = path.stem.rsplit("-", 1)[-1]
         if number.isdigit():
-            out[int(number)] = json.loads(path.read_text())
+            out[int(number)] = read_result(path)
     return out
 
 
