@@ -179,7 +179,8 @@ def _records(path: Path, text_field: str, label_field: str | None) -> Iterator[D
     if path.suffix == ".csv":
         yield from _csv_records(path, raw, [f for f in fields if f[0] is not None])
         return
-    for i, line in enumerate(raw.splitlines(), start=1):
+    # Split at newlines only: str.splitlines would also cut at U+2028 and the like, which JSON allows inside a string.
+    for i, line in enumerate(raw.split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{path}:{i}"

@@ -166,3 +166,13 @@ def test_a_damaged_cache_is_built_again(tmp_path, damage):
     after = open_cache(config.data, True)
     assert np.array_equal(after.labels, before.labels) and np.array_equal(after.offsets, before.offsets)
     assert bytes(after.tokens) == bytes(before.tokens)
+
+
+def test_a_jsonl_text_may_hold_any_line_separator_but_a_newline(tmp_path):
+    """JSON allows U+2028, U+0085 and the like raw inside a string; only a newline ends a JSONL record."""
+    records = [{"text": f"line\u2028sep\u0085 {i}\r", "label": ["spam", "ham"][i % 2]} for i in range(20)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in records), newline="")
+    train, test = open_split(path)
+    assert len(train) + len(test) == 20
+    assert bytes(train.cache.tokens[: train.cache.offsets[1]]) == "line\u2028sep\u0085 0\r\n".encode()
