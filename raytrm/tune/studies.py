@@ -27,7 +27,8 @@ def load_study(state: dict[str, Any], name: str) -> optuna.Study:
     except KeyError:  # optuna's answer for a study name the storage does not hold
         raise UserError(f"{db}: no study {name!r}, which tune.yaml names; {fix}") from None
     except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as e:  # a damaged file, or a schema optuna cannot read
-        raise UserError(f"{db}: cannot read study {name!r} ({str(e).strip().splitlines()[0]}); {fix}") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{db}: cannot read study {name!r} ({first}); {fix}") from None
 
 
 def _check_tier(run_dir: Path, state: dict[str, Any], tier: str) -> None:
