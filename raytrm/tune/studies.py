@@ -4,6 +4,7 @@ settings fastest first, the learning configs that trained to the horizon, and ho
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,14 @@ import optuna
 from raytrm.errors import UserError
 from raytrm.tune import objectives, staged
 from raytrm.tune.layout import RATES_DIR, read_result, read_state, run_space, study_db
+
+
+@functools.lru_cache(maxsize=8)
+def _storage(url: str, device: int, inode: int) -> optuna.storages.RDBStorage:
+    """One storage per study file (a file put in its place is another): opening one checks its schema against
+    optuna's migration scripts, read from disk each time, and a table or an export opens the run's studies a dozen
+    times."""
+    return optuna.storages.RDBStorage(url)
 
 
 def load_study(state: dict[str, Any], name: str) -> optuna.Study:
@@ -23,7 +32,8 @@ def load_study(state: dict[str, Any], name: str) -> optuna.Study:
     db = study_db(state)
     fix = "restore the run's study.db, or tune again into a new directory (--out NEW_DIR)"
     try:
-        return optuna.load_study(study_name=name, storage=state["storage"])
+        stat = db.stat()
+        return optuna.load_study(study_name=name, storage=_storage(state["storage"], stat.st_dev, stat.st_ino))
     except KeyError:  # optuna's answer for a study name the storage does not hold
         raise UserError(f"{db}: no study {name!r}, which tune.yaml names; {fix}") from None
     except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as e:  # a damaged file, or a schema optuna cannot read

@@ -1,5 +1,6 @@
 """Fuzzing the files of run directories: a tuning run's tune.yaml (`raytrm export`, `raytrm tune --resume`, the table
-`raytrm report` prints), a training run's metrics.jsonl and summary.json (`raytrm report`).
+`raytrm report` prints) and the results it keeps (verify/, rates/, sync.json), a training run's metrics.jsonl and
+summary.json (`raytrm report`).
 
 Property: each command either does its work or refuses with exit code 2 and one line on stderr, never a traceback;
 a resume that accepts the file stops where it would start Ray. Every example runs the report's reading and
@@ -76,7 +77,7 @@ def _cli(argv: list[str]) -> int:
     return code
 
 
-def test_tune_yaml(staged):
+def test_tune_yaml(staged, tiers_read_once):
     counter = Counter("tune.yaml")
     path = staged / layout.TUNE_FILE
     seed = cfg.read_yaml(path)
@@ -96,6 +97,33 @@ def test_tune_yaml(staged):
     prop()
     print(counter.report())
     assert counter.ran >= RUN_EXAMPLES
+
+
+#: The files of a tuning run besides tune.yaml, with what the staged fixture holds there.
+KEPT = ("verify/mac-desktop-16gb.json", f"rates/{AIR}-0.json", layout.SYNC_FILE)
+KEPT_EXAMPLES = max(1, FUZZ_EXAMPLES // 4)
+
+
+def test_kept_results(staged, tiers_read_once):
+    """A verification, a rate run and the sync record, edited: the table and the export work or are one line."""
+    counter = Counter("verify/, rates/, sync.json")
+    seeds = {name: json.loads((staged / name).read_text()) for name in KEPT}
+
+    @settings(FUZZ, max_examples=KEPT_EXAMPLES)
+    @given(
+        st.sampled_from(KEPT).flatmap(lambda n: st.tuples(st.just(n), mutated(seeds[n]).map(lambda d: json.dumps(d))))
+    )
+    def prop(case) -> None:
+        name, text = case
+        for kept, seed in seeds.items():
+            (staged / kept).write_text(text if kept == name else json.dumps(seed))
+        _, error = load_or_refusal(format_table, staged)
+        code = _cli(["export", str(staged)])
+        counter.add(error is not None or code == 2)
+
+    prop()
+    print(counter.report())
+    assert counter.ran >= KEPT_EXAMPLES
 
 
 STEPS = [
