@@ -373,3 +373,16 @@ def test_8_a_damaged_rate_run_of_a_staged_run(tmp_path, templates):
     (run / "rates" / f"{AIR}-0.json").write_text('{"samples_per_sec": "60"}')
     for argv in (["export", str(run)], ["report", str(run)], ["tune", "--resume", str(run)]):
         assert refused(argv, run).startswith(f"{run}/rates/{AIR}-0.json: samples_per_sec: got '60', expected a num")
+
+
+@pytest.mark.parametrize("kind", ["file", "directory"])
+def test_3_data_overwrite_replaces_a_dataset_only(tmp_path, kind):
+    target = tmp_path / "mine"
+    if kind == "file":
+        target.write_text("mine\n")
+    else:
+        (target / "photos").mkdir(parents=True)
+        (target / "photos" / "a.jpg").write_bytes(b"\xff\xd8")
+    assert refused(["data", "sudoku", "--out", str(target), "--count", "2", "--overwrite"], tmp_path) == (
+        f"{target}: not a dataset (no train/dataset.json), so --overwrite will not replace it; fix: pass a new --out"
+    )
