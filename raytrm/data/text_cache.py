@@ -3,19 +3,19 @@
 A cache directory (under the cache dir, one per input and settings) holds tokens.u8 (every document's UTF-8 bytes,
 each ending in a newline, concatenated), offsets.npy (int64 [documents + 1]), labels.npy (int32 label ids, -1 when
 unlabelled) and meta.json (the sources' fingerprint, label names, sizes), written last: a cache without a matching
-meta.json is rebuilt. The fingerprint is each source file's path, size and modification time.
+meta.json is rebuilt, and so is one whose files do not agree with it (a damaged cache). The fingerprint is each
+source file's path, size and modification time.
 
 Inputs: a text file (one document), a directory (every non-hidden file, in sorted order; for classification the
 first sub-directory under it is the label), or JSONL / CSV records with a text field and, for classification, a
-label field. Without a path: the Python standard library's own .py sources on this machine.
+label field (raytrm.data.records, which checks each record). Without a path: the Python standard library's own .py
+sources on this machine.
 """
 
 from __future__ import annotations
 
 import codecs
-import csv
 import hashlib
-import io
 import json
 import logging
 import os
@@ -30,7 +30,8 @@ import psutil
 
 from raytrm.config import DataConfig
 from raytrm.constants import cache_dir
-from raytrm.errors import ConfigError, UserError
+from raytrm.data.records import read_records
+from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -139,111 +140,13 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
     check(b"", final=True)
 
 
-def _text_of(value: object, where: str, field: str, flag: str) -> str:
-    """A record's text: a string with something in it. A null, a number or a structure is refused, not converted:
-    str() of them ("None", "3", "{...}") would train the model on text that is not in the file."""
-    if isinstance(value, str) and value:
-        return value
-    raise ConfigError(
-        where,
-        field,
-        value,
-        "the document's text, a non-empty string",
-        f"fill in or drop the record, or pass {flag} naming the field that holds the text",
-    )
-
-
-def _label_of(value: object, where: str, field: str, flag: str) -> str:
-    """A record's class: a non-empty string, or an integer (taken as its decimal string: 3 and "3" are one class).
-    A null, an empty string, a float, a boolean or a structure is refused: each would become a class of its own
-    ("None", "", "1.0") that the file never meant."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    if isinstance(value, str) and value.strip():
-        return value
-    raise ConfigError(
-        where,
-        field,
-        value,
-        "the document's class, a non-empty string or an integer",
-        f"label the record or drop it, or pass {flag} naming the field that holds the label",
-    )
-
-
-def _records(path: Path, text_field: str, label_field: str | None) -> Iterator[Document]:
-    """JSONL or CSV records as documents. Every record is checked where it is read, and a bad one is refused with
-    its file, line, field and value (see _text_of and _label_of), never skipped: dropping records silently would
-    change the data trained on."""
-    raw = b"".join(_file_chunks(path)).decode("utf-8").removeprefix("\ufeff")  # a BOM would rename the first column
-    fields = ((text_field, "--text-field", _text_of), (label_field, "--label-field", _label_of))
-    if path.suffix == ".csv":
-        yield from _csv_records(path, raw, [f for f in fields if f[0] is not None])
-        return
-    # Split at newlines only: str.splitlines would also cut at U+2028 and the like, which JSON allows inside a string.
-    for i, line in enumerate(raw.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{i}"
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise UserError(f"{where}: not a JSON object ({e.msg}); fix: one JSON object per line") from None
-        except RecursionError:
-            raise UserError(f"{where}: a JSON value nested too deep; fix: one flat JSON object per line") from None
-        if not isinstance(record, dict):
-            raise ConfigError(where, "(the record)", record, "a JSON object", "one JSON object per line")
-        values = []
-        for name, flag, check in fields:
-            if name is None:
-                values.append(None)
-                continue
-            if name not in record:
-                raise UserError(
-                    f"{where}: no field {name!r} (fields: {', '.join(map(str, record)) or 'none'}); "
-                    f"fix: add it, or pass {flag} with the right name"
-                )
-            values.append(check(record[name], where, name, flag))
-        yield where, values[1], iter([values[0].encode()])
-
-
-def _csv_records(path: Path, raw: str, fields: list) -> Iterator[Document]:
-    # A document's text may be longer than the csv module's default field limit (128 KiB).
-    csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))
-    reader = csv.DictReader(io.StringIO(raw, newline=""))
-    try:
-        columns = reader.fieldnames or []
-        for name, flag, _ in fields:
-            if name not in columns:
-                raise UserError(
-                    f"{path}: no column {name!r} (columns: {', '.join(columns) or 'none'}); "
-                    f"fix: pass {flag} with one of them"
-                )
-        for row in reader:
-            where = f"{path}:{reader.line_num}"
-            if None in row:  # DictReader keeps a row's cells past the header under None
-                raise UserError(
-                    f"{where}: {len(columns) + len(row[None])} cells, the header has {len(columns)}; fix: quote a "
-                    'cell that holds a comma ("a, b"), or drop the extra cells'
-                )
-            short = [name for name, _, _ in fields if row[name] is None]  # DictReader fills a short row with None
-            if short:
-                cells = sum(value is not None for value in row.values())
-                raise UserError(
-                    f"{where}: {cells} cells, the header has {len(columns)}: no {short[0]!r}; fix: fill in the "
-                    "row's missing cells, or drop the row"
-                )
-            values = {name: check(row[name], where, name, flag) for name, flag, check in fields}
-            label = values.get(fields[1][0]) if len(fields) > 1 else None
-            yield where, label, iter([values[fields[0][0]].encode()])
-    except csv.Error as e:
-        raise UserError(f"{path}:{reader.line_num}: not CSV ({e}); fix: check the quoting there") from None
-
-
 def _documents(root: Path, files: list[Path], data: DataConfig, labelled: bool) -> Iterator[Document]:
     label_field = data.label_field if labelled else None
     for path in files:
         if path.suffix in RECORD_SUFFIXES:
-            yield from _records(path, data.text_field, label_field)
+            raw = b"".join(_file_chunks(path)).decode("utf-8")
+            for where, label, text in read_records(path, raw, data.text_field, label_field):
+                yield where, label, iter([text.encode()])
             continue
         label = None
         if labelled:
