@@ -185,7 +185,7 @@ def check_sqlite(path: Path) -> None:
     """A study storage file is SQLite's (or empty, which SQLite takes for a new database)."""
     with path.open("rb") as f:
         head = f.read(len(SQLITE_MAGIC))
-    if head and head != SQLITE_MAGIC:  # SQLite takes an empty file for a new database
+    if head and head != SQLITE_MAGIC:
         raise UserError(
             f"{path}: not an SQLite database, yet it is where the run keeps its studies; it was replaced or "
             "damaged: restore it, or tune again into a new directory (--out NEW_DIR)"
