@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 
 #: A tuning run's readers are slower (a study opened per example): fewer examples, as the 60 s budget allows.
 RUN_EXAMPLES = max(1, FUZZ_EXAMPLES // 2)
-PLOT_EVERY = 25
+PLOT_EVERY = 50
 
 
 class Reached(Exception):
