@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from raytrm import __version__
 from raytrm.constants import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV
@@ -428,10 +431,56 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+#: argparse's words for a value its type refused, and how raytrm says what was expected.
+_TYPE_WORDS = {"int": "an integer", "float": "a number"}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with raytrm's errors: one line naming the flag, the value and what is expected (for an unknown flag,
+    the closest known one), raised as a UserError, so main prints `raytrm: error: ...` and exits 2. Subcommands'
+    parsers are made of this class too (add_subparsers passes the parser's own class)."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:  # answered here, by the innermost parser, which knows the flags that were meant
+            self.error(self._unknown(extras))
+        return namespace, extras
+
+    def _unknown(self, extras: list[str]) -> str:
+        first = extras[0]
+        if not first.startswith("-"):
+            return f"unexpected argument {first!r}"
+        flags = [flag for action in self._actions for flag in action.option_strings]
+        close = difflib.get_close_matches(first.split("=", 1)[0], flags, n=1, cutoff=0.6)
+        return f"unknown option {first}" + (f"; did you mean {close[0]}?" if close else "")
+
+    def error(self, message: str) -> NoReturn:
+        see = f"see `{self.prog} --help`"
+        match = re.fullmatch(r"argument (\S+): invalid (\w+) value: (.*)", message)
+        if match:
+            flag, kind, value = match.groups()
+            expected = _TYPE_WORDS.get(kind, f"a {kind}")
+            text = next((a.help for a in self._actions if flag in (a.option_strings or [a.dest])), None)
+            what = f" ({text.split(' (')[0]})" if text else ""
+            raise UserError(f"{flag}: {value} is not {expected}; give {expected}{what}")
+        match = re.fullmatch(r"argument (\S+): invalid choice: (.*) \(choose from (.*)\)", message)
+        if match:
+            flag, value, options = match.groups()
+            names = [o.strip().strip("'") for o in options.split(",")]
+            close = difflib.get_close_matches(value.strip("'"), names, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            what = "a raytrm command" if flag == "COMMAND" else f"one of {', '.join(names)}"
+            raise UserError(f"{self.prog}: {flag}: {value} is not {what}{hint} ({see})")
+        message = re.sub(r"^the following arguments are required: ", "missing ", message)
+        message = re.sub(r"^argument (\S+): expected one argument$", r"\1: expected a value after it", message)
+        message = re.sub(r"^argument (\S+): ", r"\1: ", message)
+        raise UserError(f"{self.prog}: {message} ({see})")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="raytrm", description="Train and autotune Tiny Recursive Models across a few Macs with Ray."
-    )
+    parser = Parser(prog="raytrm", description="Train and autotune Tiny Recursive Models across a few Macs with Ray.")
     parser.add_argument("--version", action="version", version=f"raytrm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -713,8 +762,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except UserError as e:
         print(f"raytrm: error: {e}", file=sys.stderr)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from raytrm.config import THERMAL_STATES, from_dict, read_yaml
 from raytrm.constants import spaces_dir
 from raytrm.errors import ConfigError
-from raytrm.schema import spec
+from raytrm.schema import check_version, spec
 
 if TYPE_CHECKING:
     from raytrm.hardware.probe import HardwareInfo
@@ -87,7 +87,11 @@ def default_tiers_path() -> Path:
 def load_tiers(path: str | Path | None = None) -> list[TierSpec]:
     """Read and validate tiers.yaml; every error names the file, the row and the field."""
     path = Path(path) if path else default_tiers_path()
-    table = from_dict(TierTable, read_yaml(path), str(path))
+    data = read_yaml(path)
+    if isinstance(data, dict) and "raytrm_tiers" in data:  # a table without it is of the first version
+        again = "write the table for this version (the shipped one is tune_spaces/tiers.yaml)"
+        check_version(data, str(path), "raytrm_tiers", TIERS_SCHEMA_VERSION, "", again)
+    table = from_dict(TierTable, data, str(path))
     rows, seen = [], set()
     for i, raw in enumerate(table.tiers):
         row = from_dict(TierSpec, raw, str(path), f"tiers[{i}]")

@@ -188,3 +188,55 @@ def test_resume_with_the_starting_config_takes_only_its_length(tiny, tmp_path, c
     assert main(flagged) == 2
     err = capsys.readouterr().err
     assert f"model.hidden_size is 32 there, 64 asked: drop --config {longer} and those flags (the run keeps" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["train", "--steps", "abc"], "--steps: 'abc' is not an integer; give an integer (optimizer steps to run)"),
+        (["train", "--lr", "x"], "--lr: 'x' is not a number; give a number (peak learning rate)"),
+        (["tune", "--trials", "1.5"], "--trials: '1.5' is not an integer; give an integer (trials per tier)"),
+        (["data", "sudoku", "--out", "d", "--count", "many"], "--count: 'many' is not an integer; give an integer"),
+        (
+            ["train", "--stepz", "3"],
+            "raytrm train: unknown option --stepz; did you mean --steps? (see `raytrm train --help`)",
+        ),
+        (["report", "r", "--outt", "x"], "raytrm report: unknown option --outt; did you mean --out?"),
+        (
+            ["validate", "a.yaml", "b.yaml"],
+            "raytrm validate: unexpected argument 'b.yaml' (see `raytrm validate --help`)",
+        ),
+        (["validate"], "raytrm validate: missing file (see `raytrm validate --help`)"),
+        (["train", "--steps"], "raytrm train: --steps: expected a value after it (see `raytrm train --help`)"),
+        (["tran"], "raytrm: COMMAND: 'tran' is not a raytrm command; did you mean train? (see `raytrm --help`)"),
+        ([], "raytrm: missing COMMAND (see `raytrm --help`)"),
+        (
+            ["cluster", "jion"],
+            "raytrm cluster: ACTION: 'jion' is not one of head, join, status, stop; did you mean join?",
+        ),
+        (["cluster", "join", "h", "--object-store-mb", "lots"], "--object-store-mb: 'lots' is not an integer"),
+        (["bench", "trm", "--compile", "x"], "raytrm bench: --compile: 'x' is not one of off, on, cudagraphs, auto"),
+        (["--bogus", "probe"], "raytrm: unknown option --bogus (see `raytrm --help`)"),
+    ],
+)
+def test_a_bad_argument_is_one_line_and_exit_2(capsys, argv, line):
+    """Every subcommand's parser answers a bad argument with raytrm's one line, never argparse's usage block."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"raytrm: error: {line}"), captured.err
+    assert "usage:" not in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["cluster", "join", "--help"]])
+def test_help_still_prints_and_exits_0(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: raytrm {' '.join(argv[:-1])}".rstrip())
+
+
+def test_the_installed_command_answers_a_bad_number_in_one_line():
+    bad = subprocess.run([_raytrm(), "train", "--steps", "abc"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == "raytrm: error: --steps: 'abc' is not an integer; give an integer (optimizer steps to run)\n"
