@@ -216,7 +216,9 @@ def _rates(summary: dict, tokens: str) -> str:
 
 def cmd_data(args: argparse.Namespace) -> int:
     from raytrm.data.build import build_dataset
+    from raytrm.train.run_dir import guard_output
 
+    guard_output(args.out, directory=True)  # never into a run's checkpoints or over a run's own directory
     test_count = args.test_count if args.test_count is not None else max(1, args.count // 10)
     path = build_dataset(
         args.kind,

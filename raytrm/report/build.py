@@ -19,6 +19,7 @@ from raytrm.report.plots import write_run_plots
 from raytrm.report.runs import RunRecord, load_run
 from raytrm.report.sync import sync_lines
 from raytrm.train.run import CONFIG_FILE, METRICS_FILE
+from raytrm.train.run_dir import guard_output
 
 REPORT_DIR, DIAGNOSIS_FILE, TUNING_FILE = "report", "diagnosis.txt", "tuning.txt"
 
@@ -54,7 +55,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
 
 
 def _check_out(out_dir: Path) -> None:
-    """The report goes into a directory: a file where it or a parent would be is refused, never replaced."""
+    """The report goes into a directory: a file where it or a parent would be is refused, never replaced, and so is a
+    place where a run keeps its own files (its checkpoints, another run's directory)."""
     for path in (out_dir, *out_dir.parents):
         if path.exists() and not path.is_dir():
             what = "an existing file" if path == out_dir else f"under {path}, an existing file"
@@ -62,6 +64,7 @@ def _check_out(out_dir: Path) -> None:
                 f"--out {out_dir}: {what}; expected a directory for the report's plots and text (default "
                 "RUN_DIR/report); fix: give --out a new or an existing directory"
             )
+    guard_output(out_dir, directory=True)
 
 
 def _writing(out_dir: Path) -> None:

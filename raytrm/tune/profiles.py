@@ -16,6 +16,7 @@ from typing import Any
 
 from raytrm import config as cfg
 from raytrm.errors import UserError
+from raytrm.train.run_dir import guard_output
 from raytrm.tune import objectives
 from raytrm.tune.layout import PROFILES_DIR, read_state, read_sync, run_space
 from raytrm.tune.space import SearchSpace, horizon_of
@@ -168,6 +169,8 @@ def _with_sync(training: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 def _check_out(out: Path) -> None:
     """--out names the profile file to write: a directory, or a file that is not a profile (a checkpoint, a run's
     config, tune.yaml), is refused and left as it is; an earlier profile is replaced, as an export again means."""
+    if out.exists() and not out.is_dir():
+        guard_output(out)  # a run's own file or a checkpoint: named as such
     if out.is_dir():
         raise UserError(f"--out {out}: a directory; expected the profile's file name; fix: e.g. --out {out}/TIER.yaml")
     if not out.exists():

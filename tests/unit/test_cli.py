@@ -240,3 +240,28 @@ def test_the_installed_command_answers_a_bad_number_in_one_line():
     bad = subprocess.run([_raytrm(), "train", "--steps", "abc"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr == "raytrm: error: --steps: 'abc' is not an integer; give an integer (optimizer steps to run)\n"
+
+
+def test_report_export_and_data_never_write_into_a_run(tiny, tmp_path, capsys):
+    """The other writing commands take the same guard: a run's checkpoints, its own files and its directory are
+    refused in one line, and the run is left as it was."""
+    from raytrm.config import write_yaml
+
+    config = write_yaml(tiny(), tmp_path / "tiny.yaml")
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(config), "--steps", "2", "--out", str(run), "--quiet"]) == 0
+    capsys.readouterr()
+    before = _files(run)
+    for argv, piece in [
+        (["report", str(run), "--out", str(run / "checkpoints")], "own checkpoints"),
+        (["data", "sudoku", "--out", str(run), "--count", "4"], "a run directory is there"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("raytrm: error: --out ") and piece in err[0], err
+    from raytrm.errors import UserError
+    from raytrm.tune.profiles import _check_out  # export's guard of its --out, before any tuning run is read
+
+    with pytest.raises(UserError, match=r"own config\.yaml"):
+        _check_out(run / "config.yaml")
+    assert _files(run) == before
