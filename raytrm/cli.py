@@ -126,6 +126,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     profiles = args.profile or []
     distributed = args.workers is not None or args.address is not None
+    if args.quiet and not distributed:  # a distributed run routes its lines itself (raytrm.distributed.run_logs)
+        _warnings_only()
     if len(profiles) > 1 and not distributed:
         raise UserError("several --profile (one per tier) need --workers N or --address; give one to train alone")
     overrides = _overrides(args)
@@ -159,6 +161,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary = run_training(experiment, run_dir, resume=args.resume, progress=not args.quiet)
     print(format_summary(summary, run_dir))
     return 130 if str(summary.get("stop_reason") or "").startswith("interrupted") else 0
+
+
+def _warnings_only() -> None:
+    """--quiet on one machine: the terminal shows raytrm's warnings and the summary, not its INFO lines."""
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(max(handler.level, logging.WARNING))
 
 
 def format_summary(summary: dict, run_dir: object) -> str:
@@ -537,8 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quiet",
         action="store_true",
-        help="no progress line; with --workers/--address no INFO lines either, only warnings and the summary "
-        "(Ray's and the workers' lines are in RUN_DIR/logs/ with or without it)",
+        help="no progress line and no INFO lines, only warnings and the summary (with --workers/--address, Ray's and "
+        "the workers' lines are in RUN_DIR/logs/ with or without it)",
     )
     for flag, (_, _, kind, text) in TRAIN_FLAGS.items():
         p.add_argument(flag, dest=_flag_dest(flag), type=kind, default=None, help=text)

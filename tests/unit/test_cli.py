@@ -265,3 +265,15 @@ def test_report_export_and_data_never_write_into_a_run(tiny, tmp_path, capsys):
     with pytest.raises(UserError, match=r"own config\.yaml"):
         _check_out(run / "config.yaml")
     assert _files(run) == before
+
+
+def test_a_quiet_run_alone_prints_its_summary_and_nothing_else(tiny, tmp_path):
+    """--quiet on one machine: no progress line and no INFO lines on the terminal, the summary on stdout."""
+    from raytrm.config import write_yaml
+
+    config = write_yaml(tiny(), tmp_path / "tiny.yaml")
+    argv = [_raytrm(), "train", "--config", str(config), "--steps", "2", "--out", str(tmp_path / "run"), "--quiet"]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert done.stdout.startswith("trained 2 steps") and len(done.stdout.strip().splitlines()) == 4
