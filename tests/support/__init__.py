@@ -1,0 +1,1 @@
+"""What tests share and the benchmarks borrow: the two-host rig (hosts), which no user command needs."""
