@@ -1,1 +1,2 @@
-"""What tests share and the benchmarks borrow: the two-host rig (hosts), which no user command needs."""
+"""What the tests share, and the benchmarks borrow, that no user command needs: the two-host rig (hosts) and the
+data-parallel exactness check (equivalence)."""

@@ -2,9 +2,9 @@
 
 `train_steps` is one worker's side (run it under `launch.spawn` or a Ray Train worker): it trains a few steps with a
 share schedule and a micro-batch, and records each step's summed gradient. `compare` measures the worst difference
-against the same steps in one process. The tests, the GPU check and `python -m benchmarks distributed` share these.
+against the same steps in one process. The tests and the GPU check below share these.
 
-    python -m raytrm.distributed.equivalence --device cuda --workers 2    # NCCL on a machine with two GPUs
+    python -m tests.support.equivalence --device cuda --workers 2    # NCCL on a machine with two GPUs
 """
 
 from __future__ import annotations
