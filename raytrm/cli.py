@@ -31,8 +31,10 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from raytrm import config
+    from raytrm.constants import named_file
     from raytrm.hardware.tiers import load_tiers
 
+    args.file = str(named_file(args.file) or args.file)  # `raytrm validate quick`: the packaged space
     data = config.read_yaml(args.file)
     if isinstance(data, dict) and "raytrm_tiers" in data:
         print(f"{args.file}: valid tier table, {len(load_tiers(args.file))} tiers")
@@ -314,11 +316,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("probe", help="show this machine, its compute device and its tier")
     p.add_argument("--json", action="store_true", help="print a stable machine-readable document")
-    p.add_argument("--tiers", metavar="FILE", help="tier table (default: tune_spaces/tiers.yaml)")
+    p.add_argument("--tiers", metavar="FILE", help="tier table (default: the tiers.yaml raytrm ships)")
     p.set_defaults(func=cmd_probe)
 
     p = sub.add_parser("validate", help="check a training config, profile or tier table and show it resolved")
-    p.add_argument("file", help="a YAML file: training config, profile (raytrm_profile: 1) or tiers.yaml")
+    p.add_argument(
+        "file",
+        help="a YAML file: training config, profile (raytrm_profile: 1), search space or tier table; or the name of "
+        "one raytrm ships (quick, sudoku, tiers, ...)",
+    )
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("data", help="generate a Sudoku or maze dataset in the TRM reference layout")
@@ -360,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("tune", help="autotune each machine tier with Ray Tune + Optuna and export a profile per tier")
-    p.add_argument("--space", metavar="FILE", help="search space: a file or a name in tune_spaces/ (default: quick)")
+    p.add_argument("--space", metavar="FILE", help="search space: a file, or a shipped one by name (default: quick)")
     p.add_argument("--trials", type=int, default=None, help="trials per tier (default: the space's)")
     p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/tune-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a tuning run whose driver stopped")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrm import config as cfg
-from raytrm.constants import spaces_dir
+from raytrm.constants import named_file, spaces_dir
 from raytrm.errors import ConfigError, UserError
 from raytrm.schema import read_versioned_yaml, spec
 from raytrm.tune.params import ParamSpec, parse_param
@@ -116,13 +116,10 @@ def describe_horizon(horizon: dict[str, float] | None, share: float = 1.0) -> st
 
 
 def resolve_space_path(path: str | os.PathLike | None) -> Path:
-    """The space file: a path, a name in tune_spaces/ ('sudoku'), or the quick default."""
+    """The space file: a path, the name of a packaged space ('sudoku'), or the quick default."""
     if path is None:
         return spaces_dir() / f"{DEFAULT_SPACE}.yaml"
-    p = Path(path)
-    if not p.exists() and not p.suffix and (spaces_dir() / f"{p}.yaml").is_file():
-        return spaces_dir() / f"{p}.yaml"
-    return p
+    return named_file(path) or Path(path)
 
 
 def load_space(path: str | os.PathLike | None = None) -> SearchSpace:

@@ -50,6 +50,17 @@ def test_validate_reads_a_search_space(capsys):
     assert "valid search space, 2 parameters" in out and "horizon:\n  minutes: 1.0" in out
 
 
+def test_validate_takes_a_shipped_space_or_table_by_name(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "quick"]) == 0
+    assert capsys.readouterr().out.startswith(f"# {spaces_dir() / 'quick.yaml'}: valid search space, 2 parameters")
+    assert main(["validate", "tiers"]) == 0
+    assert capsys.readouterr().out.startswith(f"{spaces_dir() / 'tiers.yaml'}: valid tier table")
+    (tmp_path / "quick").write_text("training:\n  steps: 3\n")  # a file of that name here is the one meant
+    assert main(["validate", "quick"]) == 0
+    assert capsys.readouterr().out.startswith("# quick: valid training config")
+
+
 @pytest.mark.parametrize(
     "text, piece",
     [
