@@ -300,7 +300,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(f"joined {done['head']} as a node of tier {done['tier']} at {done['address']}")
         return cluster.block() if args.block else 0
     elif args.action == "status":
-        print(cluster.format_status(cluster.status(args.address, args.token_file)))
+        print(cluster.format_status(cluster.status(args.address, args.token_file, link=args.link)))
     else:
         print(cluster.stop())
     return 0
@@ -428,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     a = actions.add_parser("status", help="the cluster's nodes, tiers, memory budgets and jobs")
     a.add_argument("--address", help="HEAD:PORT (default: the cluster this Mac is a node of)")
     a.add_argument("--token-file", metavar="FILE", help="the cluster token (default: ~/.ray/auth_token)")
+    a.add_argument(
+        "--link", action="store_true", help="also time sums between the raytrm machines: the link's rate and latency"
+    )
     actions.add_parser("stop", help="stop this Mac's node")
     p.set_defaults(func=cmd_cluster)
 
