@@ -58,7 +58,7 @@ def cmd(args: Any) -> int:
             Path(args.json).write_text(json.dumps(out, indent=2))
         return 0
     if not args.table:
-        raise UserError("bench tune needs --table FILE: the grid's JSON (written with --measure, read otherwise)")
+        raise UserError("tune needs --table FILE: the grid's JSON (written with --measure, read otherwise)")
     path = Path(args.table)
     if args.curves:
         return _curves_cmd(args, path)

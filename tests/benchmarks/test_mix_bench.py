@@ -40,4 +40,5 @@ def test_cli_writes_the_rows_as_json(eager_only, tmp_path, capsys):
     assert main(["mix", "--batch", "2", "--hidden", "8", "16", "--repeats", "2", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["bench"] == "mix" and [r["columns"] for r in doc["results"]] == [16, 16, 32, 32]
+    assert doc["command"] == f"python -m benchmarks mix --batch 2 --hidden 8 16 --repeats 2 --json {out}"
     assert "plain" in capsys.readouterr().out
