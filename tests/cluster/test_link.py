@@ -38,7 +38,7 @@ def namespaces() -> set[str]:
 
 def test_the_link_part_trains_on_its_own_pair_and_removes_it(pair, tmp_path, monkeypatch, capsys):
     """A small TRM (hidden 64: 0.4M parameters) at 20 Mbit/s, exact sync, on a pair the bench makes and removes; the
-    pair fixture only proves this machine can make hosts (the ratios against unshaped runs: tests/unit/bench)."""
+    pair fixture only proves this machine can make hosts (the ratios against unshaped runs: tests/benchmarks)."""
     before = namespaces()
     small = functools.partial(link.trm_model, hidden=64, batch=16, train_puzzles=200, augment=0)
     monkeypatch.setattr(link, "trm_model", small)
