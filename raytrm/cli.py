@@ -10,6 +10,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from raytrm import __version__
@@ -34,8 +35,10 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from raytrm import config
+    from raytrm.constants import named_file
     from raytrm.hardware.tiers import load_tiers
 
+    args.file = str(named_file(args.file) or args.file)  # `raytrm validate quick`: the packaged space
     data = config.read_yaml(args.file)
     if isinstance(data, dict) and "raytrm_tiers" in data:
         print(f"{args.file}: valid tier table, {len(load_tiers(args.file))} tiers")
@@ -226,7 +229,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     from raytrm.data.build import build_dataset
     from raytrm.train.run_dir import guard_output
 
-    guard_output(args.out, directory=True)  # never into a run's checkpoints or over a run's own directory
+    if not Path(args.out).is_file():  # a file there is refused by the dataset's own check, which keeps it
+        guard_output(args.out, directory=True)  # never into a run's checkpoints or over a run's own directory
     test_count = args.test_count if args.test_count is not None else max(1, args.count // 10)
     path = build_dataset(
         args.kind,
@@ -325,119 +329,9 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(f"joined {done['head']} as a node of tier {done['tier']} at {done['address']}")
         return cluster.block() if args.block else 0
     elif args.action == "status":
-        print(cluster.format_status(cluster.status(args.address, args.token_file)))
+        print(cluster.format_status(cluster.status(args.address, args.token_file, link=args.link)))
     else:
         print(cluster.stop())
-    return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    import tempfile
-    import time
-    from pathlib import Path
-
-    from raytrm.bench.trm import as_json, bench_trm, format_rows
-    from raytrm.hardware.probe import detect
-
-    hidden = args.hidden or ([256, 512] if args.what == "transformer" else [128, 256, 512])
-    if args.what == "tune":
-        from raytrm.bench import tune as tune_bench
-
-        return tune_bench.cmd(args)
-    if args.what == "memory":
-        from raytrm.bench import memory
-
-        with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
-            rows, overhead = memory.bench_memory(hidden, args.checks, args.threads, Path(work))
-        print(memory.format_rows(rows, overhead))
-        results: object = memory.as_json(rows, overhead)
-    elif args.what == "distributed":
-        from raytrm.bench import distributed, link, modes
-
-        device = args.device if args.device != "auto" else "cpu"
-        parts = [part for part in args.parts if part not in ("modes", "link")]
-        if "link" in args.parts:
-            link.refuse_unless_possible()
-        with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
-            compile_mode = args.compile or "auto"  # the scaling rows compile as training does
-            dist_rows = (
-                distributed.run(
-                    parts, device, args.batch, args.slowdown, args.repeats, args.workers, Path(work), compile_mode
-                )
-                if parts
-                else []
-            )
-            if "modes" in args.parts:
-                dist_rows += modes.run(Path(work), args.every, args.repeats, args.samples, device, args.first_seed)
-            shaped = None
-            if "link" in args.parts:
-                models, steps, rounds = args.link_models, args.link_steps, args.link_rounds
-                shaped = link.run(args.link_rates, args.sync_modes, models, steps, rounds, Path(work) / "link")
-        if dist_rows:
-            print(distributed.format_rows(dist_rows))
-        results = distributed.as_json(dist_rows)
-        if shaped is not None:
-            print(shaped.table())
-            results = {"rows": results, "link": shaped.to_json()}
-    elif args.what == "mix":
-        from raytrm.bench import mix
-
-        mix_rows = [
-            row for width in hidden for row in mix.bench_mix(args.batch, width, args.device, args.dtype, args.repeats)
-        ]
-        print(mix.format_rows(mix_rows))
-        results = mix.as_json(mix_rows)
-    elif args.what == "transformer":
-        from raytrm.bench import transformer
-
-        with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
-            tf_rows = transformer.bench_transformer(
-                args.seq_lens,
-                hidden,
-                args.batch,
-                args.threads,
-                args.device,
-                Path(work),
-                args.repeats,
-                args.dtype,
-                reference=args.nanogpt,
-                compile_mode=args.compile or "off",
-            )
-        print(transformer.format_rows(tf_rows))
-        results = transformer.as_json(tf_rows)
-    else:
-        from raytrm.bench import breakdown
-
-        breakdowns: list[breakdown.Breakdown] | None = [] if args.breakdown else None
-        with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
-            trm_rows = bench_trm(
-                args.variants,
-                hidden,
-                args.batch,
-                args.threads,
-                args.device,
-                Path(work),
-                repeats=args.repeats,
-                dtype=args.dtype,
-                reference=Path(args.reference) if args.reference else None,
-                compile_mode=args.compile or "off",
-                breakdowns=breakdowns,
-            )
-        print(format_rows(trm_rows))
-        results = as_json(trm_rows)
-        if breakdowns is not None:
-            print(breakdown.format_breakdowns(breakdowns))
-            results = {"rows": results, "breakdowns": breakdown.as_json(breakdowns)}
-    if args.json:
-        hw = detect()
-        doc = {
-            "bench": args.what,
-            "date": time.strftime("%Y-%m-%d"),
-            "machine": f"{hw.chip}, {hw.logical_cpus} CPUs",
-            "command": "raytrm " + " ".join(sys.argv[1:]),
-            "results": results,
-        }
-        Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
 
 
@@ -497,11 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("probe", help="show this machine, its compute device and its tier")
     p.add_argument("--json", action="store_true", help="print a stable machine-readable document")
-    p.add_argument("--tiers", metavar="FILE", help="tier table (default: tune_spaces/tiers.yaml)")
+    p.add_argument("--tiers", metavar="FILE", help="tier table (default: the tiers.yaml raytrm ships)")
     p.set_defaults(func=cmd_probe)
 
     p = sub.add_parser("validate", help="check a training config, profile or tier table and show it resolved")
-    p.add_argument("file", help="a YAML file: training config, profile (raytrm_profile: 1) or tiers.yaml")
+    p.add_argument(
+        "file",
+        help="a YAML file: training config, profile (raytrm_profile: 1), search space or tier table; or the name of "
+        "one raytrm ships (quick, sudoku, tiers, ...)",
+    )
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("data", help="generate a Sudoku or maze dataset in the TRM reference layout")
@@ -553,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("tune", help="autotune each machine tier with Ray Tune + Optuna and export a profile per tier")
-    p.add_argument("--space", metavar="FILE", help="search space: a file or a name in tune_spaces/ (default: quick)")
+    p.add_argument("--space", metavar="FILE", help="search space: a file, or a shipped one by name (default: quick)")
     p.add_argument("--trials", type=int, default=None, help="trials per tier (default: the space's)")
     p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/tune-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a tuning run whose driver stopped")
@@ -615,153 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
     a = actions.add_parser("status", help="the cluster's nodes, tiers, memory budgets and jobs")
     a.add_argument("--address", help="HEAD:PORT (default: the cluster this Mac is a node of)")
     a.add_argument("--token-file", metavar="FILE", help="the cluster token (default: ~/.ray/auth_token)")
+    a.add_argument(
+        "--link", action="store_true", help="also time sums between the raytrm machines: the link's rate and latency"
+    )
     actions.add_parser("stop", help="stop this Mac's node")
     p.set_defaults(func=cmd_cluster)
 
-    p = sub.add_parser("bench", help="measure training throughput against this machine's matmul ceiling")
-    p.add_argument(
-        "what",
-        choices=("trm", "transformer", "mix", "memory", "tune", "distributed"),
-        help="trm: TRM training samples/s and fraction of the matmul rate; transformer: byte-level LM training "
-        "tokens/s and fraction of the matmul rate, beside a nanoGPT-style reference of the same shape; memory: the "
-        "memory model's prediction error and the cost of per-step monitoring; distributed: unequal workers with "
-        "balanced and equal shares against their solo sum, Ray Train's per-step cost, gradient sync per link, scaling "
-        "over GPUs, two hosts training across a shaped link; mix: one call of TRM-MLP's position mixing (SwiGLU, "
-        "residual, norm) each way this device runs it",
-    )
-    p.add_argument(
-        "--seq-lens", nargs="+", type=int, default=[128, 256, 512], help="transformer: sequence lengths to time"
-    )
-    p.add_argument(
-        "--checks",
-        nargs="+",
-        type=int,
-        default=[24, 48],
-        help="memory: micro-batches to predict (divisors of the largest)",
-    )
-    p.add_argument("--variants", nargs="+", default=["mlp_t", "attention"], choices=("mlp_t", "attention"))
-    p.add_argument(
-        "--hidden",
-        nargs="+",
-        type=int,
-        default=None,
-        help="widths (default: 128 256 512; transformer: 256 512)",
-    )
-    p.add_argument("--batch", type=int, default=16, help="global batch (one micro-batch)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per row; the median is reported")
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    p.add_argument(
-        "--reference",
-        metavar="DIR",
-        help="trm: a checkout of the TRM reference (SamsungSAILMontreal/TinyRecursiveModels): add its training step's"
-        " row beside each raytrm row, measured in the same run",
-    )
-    p.add_argument(
-        "--compile",
-        nargs="?",
-        const="on",
-        default=None,
-        choices=("off", "on", "cudagraphs", "auto"),
-        help="trm and transformer: compile raytrm's step (training.compile; cudagraphs adds CUDA graphs; auto is what "
-        "training does by default: eager on a CPU) and, where raytrm's step compiles, the reference's model "
-        "(torch.compile, as TRM's pretrain.py and nanoGPT's compile=True do); default: both eager. distributed "
-        "scaling: its rows' training.compile; default auto, as training",
-    )
-    p.add_argument(
-        "--breakdown",
-        action="store_true",
-        help="trm, on a CPU: profile one step of each row and show where its time goes (products by shape and "
-        "their rate, attention, the rest) and the ratio raytrm would reach were its time outside products zero",
-    )
-    p.add_argument(
-        "--no-reference",
-        dest="nanogpt",
-        action="store_false",
-        help="transformer: time raytrm alone, without the nanoGPT-style reference row beside each raytrm row",
-    )
-    p.add_argument(
-        "--parts",
-        nargs="+",
-        default=["pair", "ray", "sync"],
-        choices=("pair", "ray", "sync", "overlap", "scaling", "modes", "link"),
-        help="distributed: which measurements (scaling wants --device cuda and --workers 1 2; overlap runs "
-        "max(--workers, 2) workers; modes: each sync mode's quality at equal samples, --repeats training seeds; "
-        "link, root on Linux only: two hosts made of network namespaces train across a link it shapes, see "
-        "--link-rates)",
-    )
-    p.add_argument(
-        "--every", nargs="+", type=int, default=None, help="distributed modes: H of the local rounds (default 5 20 50)"
-    )
-    p.add_argument(
-        "--samples", type=int, default=None, help="distributed modes: samples each run trains (default 16000)"
-    )
-    p.add_argument(
-        "--first-seed",
-        type=int,
-        default=0,
-        help="distributed modes: the first training seed (seeds N .. N + --repeats - 1), to run seeds side by side in "
-        "separate processes",
-    )
-    p.add_argument(
-        "--link-rates",
-        nargs="+",
-        default=["unshaped", "1gbit", "100mbit", "20mbit"],
-        metavar="RATE",
-        help="distributed link: the link's rates (unshaped, or tc's notation: 1gbit, 100mbit, 20mbit)",
-    )
-    p.add_argument(
-        "--sync-modes",
-        nargs="+",
-        metavar="MODE",
-        help="distributed link: sync modes to run (exact, compressed, local, local:H, auto; default: every mode "
-        "this build has)",
-    )
-    p.add_argument(
-        "--link-models",
-        nargs="+",
-        default=["trm", "lm"],
-        choices=("trm", "lm"),
-        help="distributed link: TRM mlp_t hidden 256 at global batch 64; the byte-level LM (20.6M parameters)",
-    )
-    p.add_argument(
-        "--link-steps",
-        nargs="+",
-        type=int,
-        metavar="N",
-        help="distributed link: steps of each run, per model in --link-models order (default 60 for TRM, 20 for "
-        "the LM); the quality is read after them, and a local mode's round should fit several times",
-    )
-    p.add_argument(
-        "--link-rounds",
-        type=int,
-        default=1,
-        help="distributed link: runs of every configuration, rates alternated; figures are medians",
-    )
-    p.add_argument("--slowdown", type=float, default=2.0, help="distributed: how much slower the slow worker is")
-    p.add_argument(
-        "--workers", nargs="+", type=int, default=[1, 2], help="distributed: worker counts of the scaling rows"
-    )
-    p.add_argument("--space", metavar="FILE", help="tune: the space whose grid is measured (default: quick)")
-    p.add_argument("--table", metavar="FILE", help="tune: the measured grid (JSON), written by --measure")
-    p.add_argument("--measure", action="store_true", help="tune: measure the whole grid first (long)")
-    p.add_argument(
-        "--curves",
-        action="store_true",
-        help="tune: learning curves to the space's horizon (default space: horizon), and search methods judged by "
-        "quality at the horizon",
-    )
-    p.add_argument("--seeds", type=int, default=10, help="tune: replay seeds per method")
-    p.add_argument(
-        "--profile",
-        metavar="FILE",
-        help="tune: compare this tuned profile with the space's base at the tier's defaults (--repeats each); with "
-        "--curves --table T, rank its learning config among those of its space (--space, default quick) in the "
-        "table, at the profile's horizon",
-    )
-    p.set_defaults(func=cmd_bench)
     return parser
 
 

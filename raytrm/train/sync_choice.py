@@ -32,7 +32,7 @@ SMALL_EXCHANGES = 3
 #: The longest round the choice proposes (DiLoCo's own).
 MAX_EVERY = 500
 #: Whether a round's exchange may travel behind the next inner steps when the choice is free to pick it, and the
-#: shortest round, in steps behind, it may do so in: the modes bench (`raytrm bench distributed --parts modes`)
+#: shortest round, in steps behind, it may do so in: the modes bench (`python -m benchmarks distributed --parts modes`)
 #: measured one step behind in rounds of 5 and more.
 OVERLAP_KEEPS_QUALITY = True
 OVERLAP_ROUND = 5

@@ -1,4 +1,5 @@
-"""Search space files (tune_spaces/*.yaml): the base experiment, the parameters to search, objective, budget, limits.
+"""Search space files (the shipped raytrm/tune_spaces/*.yaml, or a user's own): the base experiment, the parameters
+to search, objective, budget, limits.
 
 A file is validated completely before any trial runs: unknown keys, empty or inverted ranges, parameters that do not
 apply to the model, tier names not in tiers.yaml, and parameter values that would build an invalid experiment (a
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrm import config as cfg
-from raytrm.constants import spaces_dir
+from raytrm.constants import named_file, spaces_dir
 from raytrm.errors import ConfigError, UserError
 from raytrm.schema import check_version, read_versioned_yaml, spec
 from raytrm.tune.params import ParamSpec, parse_param
@@ -30,7 +31,7 @@ OBJECTIVES = ("quality", "throughput", "pareto")
 PRUNERS = ("none", "median", "successive_halving")
 BATCH_FIELDS = ("training.global_batch_size", "training.micro_batch_size", "training.grad_accum_steps")
 #: How to get a space file of this raytrm's version, beside upgrading raytrm.
-SPACE_AGAIN = "write the space for this version (the shipped ones are in tune_spaces/)"
+SPACE_AGAIN = "write the space for this version (`raytrm validate quick` shows a shipped one and where it lies)"
 #: Tier names that tiers.yaml does not list but a machine can have: the generic tier of an unlisted machine.
 GENERIC_TIER_GLOB = "generic-*"
 
@@ -119,19 +120,18 @@ def describe_horizon(horizon: dict[str, float] | None, share: float = 1.0) -> st
 
 
 def resolve_space_path(path: str | os.PathLike | None) -> Path:
-    """The space file: a path, a name in tune_spaces/ ('sudoku'), or the quick default."""
+    """The space file: a path, the name of a packaged space ('sudoku'), or the quick default."""
     if path is None:
         return spaces_dir() / f"{DEFAULT_SPACE}.yaml"
-    p = Path(path)
-    if not p.exists() and not p.suffix and (spaces_dir() / f"{p}.yaml").is_file():
-        return spaces_dir() / f"{p}.yaml"
-    return p
+    return named_file(path) or Path(path)
 
 
 def load_space(path: str | os.PathLike | None = None) -> SearchSpace:
     """Read and validate a space file (see the module docstring)."""
     p = resolve_space_path(path)
-    missing = "this is not a search space; add `raytrm_space: 1` or pick a file in tune_spaces/"
+    missing = (
+        "this is not a search space; add `raytrm_space: 1`, or name a shipped space (quick, sudoku, maze, transformer)"
+    )
     data = read_versioned_yaml(p, "raytrm_space", SPACE_SCHEMA_VERSION, missing, SPACE_AGAIN)
     return space_from_dict(data, str(p), default_name=p.stem)
 
@@ -224,7 +224,7 @@ def _check_tiers(space: SearchSpace, source: str) -> None:
                 path,
                 name,
                 "a tier name from tiers.yaml (or generic-*)",
-                "check the name with `raytrm probe` or tune_spaces/tiers.yaml",
+                "check the name with `raytrm probe` or `raytrm validate tiers`",
             )
     for name, raw in space.limits.tiers.items():
         cfg.from_dict(TierLimits, raw, source, f"limits.tiers.{name}")

@@ -50,6 +50,17 @@ def test_validate_reads_a_search_space(capsys):
     assert "valid search space, 2 parameters" in out and "horizon:\n  minutes: 1.0" in out
 
 
+def test_validate_takes_a_shipped_space_or_table_by_name(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "quick"]) == 0
+    assert capsys.readouterr().out.startswith(f"# {spaces_dir() / 'quick.yaml'}: valid search space, 2 parameters")
+    assert main(["validate", "tiers"]) == 0
+    assert capsys.readouterr().out.startswith(f"{spaces_dir() / 'tiers.yaml'}: valid tier table")
+    (tmp_path / "quick").write_text("training:\n  steps: 3\n")  # a file of that name here is the one meant
+    assert main(["validate", "quick"]) == 0
+    assert capsys.readouterr().out.startswith("# quick: valid training config")
+
+
 @pytest.mark.parametrize(
     "text, piece",
     [
@@ -215,7 +226,7 @@ def test_resume_with_the_starting_config_takes_only_its_length(tiny, tmp_path, c
             "raytrm cluster: ACTION: 'jion' is not one of head, join, status, stop; did you mean join?",
         ),
         (["cluster", "join", "h", "--object-store-mb", "lots"], "--object-store-mb: 'lots' is not an integer"),
-        (["bench", "trm", "--compile", "x"], "raytrm bench: --compile: 'x' is not one of off, on, cudagraphs, auto"),
+        (["data", "sodoku", "--out", "d"], "raytrm data: kind: 'sodoku' is not one of sudoku, maze; did you mean"),
         (["--bogus", "probe"], "raytrm: unknown option --bogus (see `raytrm --help`)"),
     ],
 )

@@ -1,5 +1,5 @@
 """The package's layers: every import, those inside functions too, runs down the order docs/architecture.md states,
-and no modules import each other in a circle."""
+no modules import each other in a circle, and nothing in the package imports the checkout's benchmarks or tests."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "raytrm"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-#: The layer line of docs/architecture.md: `cli > bench, report > ... > constants, errors`.
+#: The layer line of docs/architecture.md: `cli > report > ... > constants, errors`.
 ORDER_LINE = re.compile(r"^\s*(cli\s*>.*)$", re.MULTILINE)
 
 
@@ -97,6 +97,30 @@ def test_imports_run_down_the_layers() -> None:
         and _layer_of(target) != _layer_of(module)
     ]
     assert not upward, "imports that run up or across the layers:\n" + "\n".join(upward)
+
+
+def _outside_imports(path: Path) -> Iterator[tuple[str, int]]:
+    """(top-level name, line) of each absolute import of benchmarks/ or tests/ in the file."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in ("benchmarks", "tests"):
+                yield name, node.lineno
+
+
+def test_the_package_never_imports_the_benchmarks_or_the_tests() -> None:
+    """They stay in the checkout: a wheel has neither, so an import of them would fail only once installed."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in MODULES.values()
+        for name, line in _outside_imports(path)
+    ]
+    assert not found, "the package imports what the wheel does not ship:\n" + "\n".join(found)
 
 
 def test_no_import_circle() -> None:
