@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
 
 from raytrm import __version__
 from raytrm.constants import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV
@@ -31,8 +35,10 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from raytrm import config
+    from raytrm.constants import named_file
     from raytrm.hardware.tiers import load_tiers
 
+    args.file = str(named_file(args.file) or args.file)  # `raytrm validate quick`: the packaged space
     data = config.read_yaml(args.file)
     if isinstance(data, dict) and "raytrm_tiers" in data:
         print(f"{args.file}: valid tier table, {len(load_tiers(args.file))} tiers")
@@ -123,6 +129,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     profiles = args.profile or []
     distributed = args.workers is not None or args.address is not None
+    if args.quiet and not distributed:  # a distributed run routes its lines itself (raytrm.distributed.run_logs)
+        _warnings_only()
     if len(profiles) > 1 and not distributed:
         raise UserError("several --profile (one per tier) need --workers N or --address; give one to train alone")
     overrides = _overrides(args)
@@ -156,6 +164,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary = run_training(experiment, run_dir, resume=args.resume, progress=not args.quiet)
     print(format_summary(summary, run_dir))
     return 130 if str(summary.get("stop_reason") or "").startswith("interrupted") else 0
+
+
+def _warnings_only() -> None:
+    """--quiet on one machine: the terminal shows raytrm's warnings and the summary, not its INFO lines."""
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(max(handler.level, logging.WARNING))
 
 
 def format_summary(summary: dict, run_dir: object) -> str:
@@ -213,7 +227,10 @@ def _rates(summary: dict, tokens: str) -> str:
 
 def cmd_data(args: argparse.Namespace) -> int:
     from raytrm.data.build import build_dataset
+    from raytrm.train.run_dir import guard_output
 
+    if not Path(args.out).is_file():  # a file there is refused by the dataset's own check, which keeps it
+        guard_output(args.out, directory=True)  # never into a run's checkpoints or over a run's own directory
     test_count = args.test_count if args.test_count is not None else max(1, args.count // 10)
     path = build_dataset(
         args.kind,
@@ -312,137 +329,77 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(f"joined {done['head']} as a node of tier {done['tier']} at {done['address']}")
         return cluster.block() if args.block else 0
     elif args.action == "status":
-        print(cluster.format_status(cluster.status(args.address, args.token_file)))
+        print(cluster.format_status(cluster.status(args.address, args.token_file, link=args.link)))
     else:
         print(cluster.stop())
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    import tempfile
-    import time
-    from pathlib import Path
+#: argparse's words for a value its type refused, and how raytrm says what was expected.
+_TYPE_WORDS = {"int": "an integer", "float": "a number"}
 
-    from raytrm.bench.trm import as_json, bench_trm, format_rows
-    from raytrm.hardware.probe import detect
 
-    hidden = args.hidden or ([256, 512] if args.what == "transformer" else [128, 256, 512])
-    if args.what == "tune":
-        from raytrm.bench import tune as tune_bench
+class Parser(argparse.ArgumentParser):
+    """argparse with raytrm's errors: one line naming the flag, the value and what is expected (for an unknown flag,
+    the closest known one), raised as a UserError, so main prints `raytrm: error: ...` and exits 2. Subcommands'
+    parsers are made of this class too (add_subparsers passes the parser's own class)."""
 
-        return tune_bench.cmd(args)
-    if args.what == "memory":
-        from raytrm.bench import memory
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:  # answered here, by the innermost parser, which knows the flags that were meant
+            self.error(self._unknown(extras))
+        return namespace, extras
 
-        with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
-            rows, overhead = memory.bench_memory(hidden, args.checks, args.threads, Path(work))
-        print(memory.format_rows(rows, overhead))
-        results: object = memory.as_json(rows, overhead)
-    elif args.what == "distributed":
-        from raytrm.bench import distributed, link, modes
+    def _unknown(self, extras: list[str]) -> str:
+        first = extras[0]
+        if not first.startswith("-"):
+            return f"unexpected argument {first!r}"
+        flags = [flag for action in self._actions for flag in action.option_strings]
+        close = difflib.get_close_matches(first.split("=", 1)[0], flags, n=1, cutoff=0.6)
+        return f"unknown option {first}" + (f"; did you mean {close[0]}?" if close else "")
 
-        device = args.device if args.device != "auto" else "cpu"
-        parts = [part for part in args.parts if part not in ("modes", "link")]
-        if "link" in args.parts:
-            link.refuse_unless_possible()
-        with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
-            compile_mode = args.compile or "auto"  # the scaling rows compile as training does
-            dist_rows = (
-                distributed.run(
-                    parts, device, args.batch, args.slowdown, args.repeats, args.workers, Path(work), compile_mode
-                )
-                if parts
-                else []
-            )
-            if "modes" in args.parts:
-                dist_rows += modes.run(Path(work), args.every, args.repeats, args.samples, device, args.first_seed)
-            shaped = None
-            if "link" in args.parts:
-                models, steps, rounds = args.link_models, args.link_steps, args.link_rounds
-                shaped = link.run(args.link_rates, args.sync_modes, models, steps, rounds, Path(work) / "link")
-        if dist_rows:
-            print(distributed.format_rows(dist_rows))
-        results = distributed.as_json(dist_rows)
-        if shaped is not None:
-            print(shaped.table())
-            results = {"rows": results, "link": shaped.to_json()}
-    elif args.what == "mix":
-        from raytrm.bench import mix
-
-        mix_rows = [
-            row for width in hidden for row in mix.bench_mix(args.batch, width, args.device, args.dtype, args.repeats)
-        ]
-        print(mix.format_rows(mix_rows))
-        results = mix.as_json(mix_rows)
-    elif args.what == "transformer":
-        from raytrm.bench import transformer
-
-        with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
-            tf_rows = transformer.bench_transformer(
-                args.seq_lens,
-                hidden,
-                args.batch,
-                args.threads,
-                args.device,
-                Path(work),
-                args.repeats,
-                args.dtype,
-                reference=args.nanogpt,
-                compile_mode=args.compile or "off",
-            )
-        print(transformer.format_rows(tf_rows))
-        results = transformer.as_json(tf_rows)
-    else:
-        from raytrm.bench import breakdown
-
-        breakdowns: list[breakdown.Breakdown] | None = [] if args.breakdown else None
-        with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
-            trm_rows = bench_trm(
-                args.variants,
-                hidden,
-                args.batch,
-                args.threads,
-                args.device,
-                Path(work),
-                repeats=args.repeats,
-                dtype=args.dtype,
-                reference=Path(args.reference) if args.reference else None,
-                compile_mode=args.compile or "off",
-                breakdowns=breakdowns,
-            )
-        print(format_rows(trm_rows))
-        results = as_json(trm_rows)
-        if breakdowns is not None:
-            print(breakdown.format_breakdowns(breakdowns))
-            results = {"rows": results, "breakdowns": breakdown.as_json(breakdowns)}
-    if args.json:
-        hw = detect()
-        doc = {
-            "bench": args.what,
-            "date": time.strftime("%Y-%m-%d"),
-            "machine": f"{hw.chip}, {hw.logical_cpus} CPUs",
-            "command": "raytrm " + " ".join(sys.argv[1:]),
-            "results": results,
-        }
-        Path(args.json).write_text(json.dumps(doc, indent=2))
-    return 0
+    def error(self, message: str) -> NoReturn:
+        see = f"see `{self.prog} --help`"
+        match = re.fullmatch(r"argument (\S+): invalid (\w+) value: (.*)", message)
+        if match:
+            flag, kind, value = match.groups()
+            expected = _TYPE_WORDS.get(kind, f"a {kind}")
+            text = next((a.help for a in self._actions if flag in (a.option_strings or [a.dest])), None)
+            what = f" ({text.split(' (')[0]})" if text else ""
+            raise UserError(f"{flag}: {value} is not {expected}; give {expected}{what}")
+        match = re.fullmatch(r"argument (\S+): invalid choice: (.*) \(choose from (.*)\)", message)
+        if match:
+            flag, value, options = match.groups()
+            names = [o.strip().strip("'") for o in options.split(",")]
+            close = difflib.get_close_matches(value.strip("'"), names, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            what = "a raytrm command" if flag == "COMMAND" else f"one of {', '.join(names)}"
+            raise UserError(f"{self.prog}: {flag}: {value} is not {what}{hint} ({see})")
+        message = re.sub(r"^the following arguments are required: ", "missing ", message)
+        message = re.sub(r"^argument (\S+): expected one argument$", r"\1: expected a value after it", message)
+        message = re.sub(r"^argument (\S+): ", r"\1: ", message)
+        raise UserError(f"{self.prog}: {message} ({see})")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="raytrm", description="Train and autotune Tiny Recursive Models across a few Macs with Ray."
-    )
+    parser = Parser(prog="raytrm", description="Train and autotune Tiny Recursive Models across a few Macs with Ray.")
     parser.add_argument("--version", action="version", version=f"raytrm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
     p = sub.add_parser("probe", help="show this machine, its compute device and its tier")
     p.add_argument("--json", action="store_true", help="print a stable machine-readable document")
-    p.add_argument("--tiers", metavar="FILE", help="tier table (default: tune_spaces/tiers.yaml)")
+    p.add_argument("--tiers", metavar="FILE", help="tier table (default: the tiers.yaml raytrm ships)")
     p.set_defaults(func=cmd_probe)
 
     p = sub.add_parser("validate", help="check a training config, profile or tier table and show it resolved")
-    p.add_argument("file", help="a YAML file: training config, profile (raytrm_profile: 1) or tiers.yaml")
+    p.add_argument(
+        "file",
+        help="a YAML file: training config, profile (raytrm_profile: 1), search space or tier table; or the name of "
+        "one raytrm ships (quick, sudoku, tiers, ...)",
+    )
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("data", help="generate a Sudoku or maze dataset in the TRM reference layout")
@@ -486,15 +443,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quiet",
         action="store_true",
-        help="no progress line; with --workers/--address no INFO lines either, only warnings and the summary "
-        "(Ray's and the workers' lines are in RUN_DIR/logs/ with or without it)",
+        help="no progress line and no INFO lines, only warnings and the summary (with --workers/--address, Ray's and "
+        "the workers' lines are in RUN_DIR/logs/ with or without it)",
     )
     for flag, (_, _, kind, text) in TRAIN_FLAGS.items():
         p.add_argument(flag, dest=_flag_dest(flag), type=kind, default=None, help=text)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("tune", help="autotune each machine tier with Ray Tune + Optuna and export a profile per tier")
-    p.add_argument("--space", metavar="FILE", help="search space: a file or a name in tune_spaces/ (default: quick)")
+    p.add_argument("--space", metavar="FILE", help="search space: a file, or a shipped one by name (default: quick)")
     p.add_argument("--trials", type=int, default=None, help="trials per tier (default: the space's)")
     p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/tune-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a tuning run whose driver stopped")
@@ -556,153 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
     a = actions.add_parser("status", help="the cluster's nodes, tiers, memory budgets and jobs")
     a.add_argument("--address", help="HEAD:PORT (default: the cluster this Mac is a node of)")
     a.add_argument("--token-file", metavar="FILE", help="the cluster token (default: ~/.ray/auth_token)")
+    a.add_argument(
+        "--link", action="store_true", help="also time sums between the raytrm machines: the link's rate and latency"
+    )
     actions.add_parser("stop", help="stop this Mac's node")
     p.set_defaults(func=cmd_cluster)
 
-    p = sub.add_parser("bench", help="measure training throughput against this machine's matmul ceiling")
-    p.add_argument(
-        "what",
-        choices=("trm", "transformer", "mix", "memory", "tune", "distributed"),
-        help="trm: TRM training samples/s and fraction of the matmul rate; transformer: byte-level LM training "
-        "tokens/s and fraction of the matmul rate, beside a nanoGPT-style reference of the same shape; memory: the "
-        "memory model's prediction error and the cost of per-step monitoring; distributed: unequal workers with "
-        "balanced and equal shares against their solo sum, Ray Train's per-step cost, gradient sync per link, scaling "
-        "over GPUs, two hosts training across a shaped link; mix: one call of TRM-MLP's position mixing (SwiGLU, "
-        "residual, norm) each way this device runs it",
-    )
-    p.add_argument(
-        "--seq-lens", nargs="+", type=int, default=[128, 256, 512], help="transformer: sequence lengths to time"
-    )
-    p.add_argument(
-        "--checks",
-        nargs="+",
-        type=int,
-        default=[24, 48],
-        help="memory: micro-batches to predict (divisors of the largest)",
-    )
-    p.add_argument("--variants", nargs="+", default=["mlp_t", "attention"], choices=("mlp_t", "attention"))
-    p.add_argument(
-        "--hidden",
-        nargs="+",
-        type=int,
-        default=None,
-        help="widths (default: 128 256 512; transformer: 256 512)",
-    )
-    p.add_argument("--batch", type=int, default=16, help="global batch (one micro-batch)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per row; the median is reported")
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    p.add_argument(
-        "--reference",
-        metavar="DIR",
-        help="trm: a checkout of the TRM reference (SamsungSAILMontreal/TinyRecursiveModels): add its training step's"
-        " row beside each raytrm row, measured in the same run",
-    )
-    p.add_argument(
-        "--compile",
-        nargs="?",
-        const="on",
-        default=None,
-        choices=("off", "on", "cudagraphs", "auto"),
-        help="trm and transformer: compile raytrm's step (training.compile; cudagraphs adds CUDA graphs; auto is what "
-        "training does by default: eager on a CPU) and, where raytrm's step compiles, the reference's model "
-        "(torch.compile, as TRM's pretrain.py and nanoGPT's compile=True do); default: both eager. distributed "
-        "scaling: its rows' training.compile; default auto, as training",
-    )
-    p.add_argument(
-        "--breakdown",
-        action="store_true",
-        help="trm, on a CPU: profile one step of each row and show where its time goes (products by shape and "
-        "their rate, attention, the rest) and the ratio raytrm would reach were its time outside products zero",
-    )
-    p.add_argument(
-        "--no-reference",
-        dest="nanogpt",
-        action="store_false",
-        help="transformer: time raytrm alone, without the nanoGPT-style reference row beside each raytrm row",
-    )
-    p.add_argument(
-        "--parts",
-        nargs="+",
-        default=["pair", "ray", "sync"],
-        choices=("pair", "ray", "sync", "overlap", "scaling", "modes", "link"),
-        help="distributed: which measurements (scaling wants --device cuda and --workers 1 2; overlap runs "
-        "max(--workers, 2) workers; modes: each sync mode's quality at equal samples, --repeats training seeds; "
-        "link, root on Linux only: two hosts made of network namespaces train across a link it shapes, see "
-        "--link-rates)",
-    )
-    p.add_argument(
-        "--every", nargs="+", type=int, default=None, help="distributed modes: H of the local rounds (default 5 20 50)"
-    )
-    p.add_argument(
-        "--samples", type=int, default=None, help="distributed modes: samples each run trains (default 16000)"
-    )
-    p.add_argument(
-        "--first-seed",
-        type=int,
-        default=0,
-        help="distributed modes: the first training seed (seeds N .. N + --repeats - 1), to run seeds side by side in "
-        "separate processes",
-    )
-    p.add_argument(
-        "--link-rates",
-        nargs="+",
-        default=["unshaped", "1gbit", "100mbit", "20mbit"],
-        metavar="RATE",
-        help="distributed link: the link's rates (unshaped, or tc's notation: 1gbit, 100mbit, 20mbit)",
-    )
-    p.add_argument(
-        "--sync-modes",
-        nargs="+",
-        metavar="MODE",
-        help="distributed link: sync modes to run (exact, compressed, local, local:H, auto; default: every mode "
-        "this build has)",
-    )
-    p.add_argument(
-        "--link-models",
-        nargs="+",
-        default=["trm", "lm"],
-        choices=("trm", "lm"),
-        help="distributed link: TRM mlp_t hidden 256 at global batch 64; the byte-level LM (20.6M parameters)",
-    )
-    p.add_argument(
-        "--link-steps",
-        nargs="+",
-        type=int,
-        metavar="N",
-        help="distributed link: steps of each run, per model in --link-models order (default 60 for TRM, 20 for "
-        "the LM); the quality is read after them, and a local mode's round should fit several times",
-    )
-    p.add_argument(
-        "--link-rounds",
-        type=int,
-        default=1,
-        help="distributed link: runs of every configuration, rates alternated; figures are medians",
-    )
-    p.add_argument("--slowdown", type=float, default=2.0, help="distributed: how much slower the slow worker is")
-    p.add_argument(
-        "--workers", nargs="+", type=int, default=[1, 2], help="distributed: worker counts of the scaling rows"
-    )
-    p.add_argument("--space", metavar="FILE", help="tune: the space whose grid is measured (default: quick)")
-    p.add_argument("--table", metavar="FILE", help="tune: the measured grid (JSON), written by --measure")
-    p.add_argument("--measure", action="store_true", help="tune: measure the whole grid first (long)")
-    p.add_argument(
-        "--curves",
-        action="store_true",
-        help="tune: learning curves to the space's horizon (default space: horizon), and search methods judged by "
-        "quality at the horizon",
-    )
-    p.add_argument("--seeds", type=int, default=10, help="tune: replay seeds per method")
-    p.add_argument(
-        "--profile",
-        metavar="FILE",
-        help="tune: compare this tuned profile with the space's base at the tier's defaults (--repeats each); with "
-        "--curves --table T, rank its learning config among those of its space (--space, default quick) in the "
-        "table, at the profile's horizon",
-    )
-    p.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -713,8 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except UserError as e:
         print(f"raytrm: error: {e}", file=sys.stderr)

@@ -392,6 +392,7 @@ class Profile:
 
 def load_profile(path: str | os.PathLike) -> Profile:
     """Read a profile; a missing or newer schema version is refused with the fix."""
-    fix = "this is not a raytrm profile; export one with `raytrm export RUN_DIR`"
-    data = read_versioned_yaml(path, "raytrm_profile", PROFILE_SCHEMA_VERSION, fix)
+    missing = "this is not a raytrm profile; export one with `raytrm export RUN_DIR`"
+    again = "export the profile again with this version (`raytrm export RUN_DIR`)"
+    data = read_versioned_yaml(path, "raytrm_profile", PROFILE_SCHEMA_VERSION, missing, again)
     return from_dict(Profile, data, str(path))

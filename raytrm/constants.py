@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+from importlib import resources
 from pathlib import Path
 
-#: Directory of tiers.yaml and the search spaces; default: tune_spaces/ beside the package in a checkout.
+#: Directory of tiers.yaml and the search spaces; default: the package's own tune_spaces/ (package data).
 SPACES_DIR_ENV = "RAYTRM_SPACES_DIR"
 #: Where generated datasets and other reusable artifacts are cached.
 CACHE_DIR_ENV = "RAYTRM_CACHE_DIR"
@@ -35,9 +36,21 @@ def tier_resource(tier: str) -> str:
 
 
 def spaces_dir() -> Path:
-    """The tune_spaces directory: $RAYTRM_SPACES_DIR, else the checkout's tune_spaces/."""
+    """The tier table's and the search spaces' directory: $RAYTRM_SPACES_DIR, else the one the package ships."""
     env = os.environ.get(SPACES_DIR_ENV)
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "tune_spaces"
+    if env:
+        return Path(env)
+    # raytrm is installed as files, never zipped (the CUDA sources build from their paths): the data is a directory.
+    return Path(str(resources.files("raytrm") / "tune_spaces"))
+
+
+def named_file(path: str | os.PathLike) -> Path | None:
+    """The file of spaces_dir() that a bare name stands for ('quick', 'tiers'), where no such path exists here."""
+    given = Path(path)
+    if given.exists() or given.suffix:
+        return None
+    named = spaces_dir() / f"{given}.yaml"
+    return named if named.is_file() else None
 
 
 def cache_dir() -> Path:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
+import json
 import math
 import os
 import tempfile
@@ -21,6 +23,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from raytrm import __version__
 from raytrm.errors import ConfigError, UserError
 
 T = TypeVar("T")
@@ -140,13 +143,20 @@ def _check_rules(value: Any, meta: typing.Mapping, source: str, path: str) -> No
             raise ConfigError(source, path, value, f"a value {word} {bound}")
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A config class's resolved field types: resolving them is most of the time of checking a small config, and a
+    space's check builds thousands."""
+    return typing.get_type_hints(cls)
+
+
 def from_dict(cls: type[T], data: Any, source: str = "<config>", prefix: str = "") -> T:
     """Build the dataclass cls from a mapping, rejecting unknown keys and invalid values with one clear line."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(source, prefix or "(top level)", data, "a mapping of field: value")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
@@ -226,12 +236,97 @@ def read_yaml(path: str | os.PathLike) -> Any:
     return data
 
 
-def read_versioned_yaml(path: str | os.PathLike, key: str, version: int, fix: str) -> Any:
-    """Parse a YAML file that must carry `key: version` (a profile, a space); fix says what to do when it does not."""
-    data = read_yaml(path)
+def check_version(data: Any, source: str, key: str, version: int, missing: str, again: str) -> None:
+    """The one rule of every versioned file (profile, space, tier table, tuning run): its `key` is a schema version
+    this raytrm reads.
+
+    missing: the fix where the key is absent (the file is likely not of this kind); again: how to get a file of this
+    version from the file's origin (export it again, tune again), offered beside upgrading raytrm.
+    """
     if not isinstance(data, dict) or key not in data:  # an empty file too: not a profile of all defaults
-        raise ConfigError(str(path), key, None, f"schema version {version}", fix)
+        raise ConfigError(source, key, None, f"schema version {version}", missing)
+    found = data[key]
+    if isinstance(found, bool) or not isinstance(found, int) or found < 1:
+        raise ConfigError(
+            source,
+            key,
+            found,
+            f"a schema version, a whole number >= 1 (this raytrm reads {version})",
+            f"set {key}: {version}, or {again}",
+        )
+    if found > version:
+        raise UserError(
+            f"{source}: {key} {found} is newer than this raytrm ({__version__}) reads ({version}); upgrade raytrm "
+            f"(`pip install -U raytrm`), or {again}"
+        )
+    if found != version:
+        raise UserError(f"{source}: {key} {found} is older than this raytrm ({__version__}) reads ({version}); {again}")
+
+
+def read_versioned_yaml(path: str | os.PathLike, key: str, version: int, missing: str, again: str) -> Any:
+    """Parse a YAML file that must carry `key: version` (a profile, a space); see check_version."""
+    data = read_yaml(path)
+    check_version(data, str(path), key, version, missing, again)
     return data
+
+
+def read_json(path: str | os.PathLike, fix: str) -> dict[str, Any]:
+    """Parse a JSON file raytrm wrote (a run's summary, a trial's result) that must hold one JSON object; anything
+    else is a UserError naming the file, what was found and fix (what to do with a damaged file)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{p}: no such file; check the path") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{p}: not a text file (invalid UTF-8 at byte {e.start}); expected JSON; {fix}") from None
+    except ValueError as e:  # json.JSONDecodeError
+        where = f" at line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+        raise UserError(f"{p}: not JSON{where} ({msg}); {fix}") from None
+    except RecursionError:
+        raise UserError(f"{p}: data nested too deep to be a raytrm file; {fix}") from None
+    except OSError as e:
+        raise UserError(f"{p}: cannot read it ({e.strerror}); check its permissions") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(p), "(top level)", data, "a JSON object of field: value", fix)
+    return data
+
+
+#: The kinds of field check_fields knows, as an error names them.
+KINDS = {"number": "a number", "int": "an integer", "str": "a string", "list": "a list", "dict": "a mapping"}
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)  # NaN: a measurement that failed
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, {"str": str, "list": list, "dict": dict}[kind])
+
+
+def check_fields(
+    data: dict,
+    source: str,
+    kinds: dict[str, str],
+    prefix: str = "",
+    required: tuple = (),
+    fix: str = "",
+) -> None:
+    """Check the fields raytrm reads of a record it wrote (a trial's result, a run's summary; other fields pass):
+    each of `kinds` (number, int, str, list, dict) where present, null standing for not measured; the `required`
+    ones present and not null. fix: what to do with a damaged record."""
+    for name, kind in kinds.items():
+        path = f"{prefix}{name}"
+        if name not in data:
+            if name in required:
+                raise ConfigError(source, path, None, KINDS[kind], fix)
+            continue
+        value = data[name]
+        if value is None and name not in required:
+            continue
+        if not _is(value, kind):
+            raise ConfigError(source, path, value, KINDS[kind], fix)
 
 
 def load(cls: type[T], path: str | os.PathLike) -> T:

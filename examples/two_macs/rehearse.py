@@ -1,5 +1,5 @@
-"""Rehearse session.sh on one Linux machine: two hosts made of network namespaces (the rig of
-raytrm.bench.hosts, which tests/cluster uses too).
+"""Rehearse session.sh on one Linux machine: two hosts made of network namespaces (the rig in the
+checkout's tests/support/hosts.py, which tests/cluster uses too).
 
     sudo .venv/bin/python examples/two_macs/rehearse.py      # root, Linux, `ip`, `unshare` and `nsenter`; minutes
 
@@ -10,12 +10,15 @@ are removed at the end, whatever happened.
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
-from raytrm.bench.hosts import Host, Pair, cannot_make_hosts
-
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the rig is test support in the checkout, not part of the installed package
+
+from tests.support.hosts import Host, Pair, cannot_make_hosts  # noqa: E402
+
 SESSION = str(ROOT / "examples" / "two_macs" / "session.sh")
 STUDIO, MACBOOK = "mac-desktop-16gb", "macbook-air-8gb"
 

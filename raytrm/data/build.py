@@ -141,6 +141,11 @@ def build_dataset(
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise UserError(f"{out}: already exists; fix: pass a new --out, or --overwrite to replace it")
+    if out.exists() and not (out / "train" / "dataset.json").is_file():
+        # --overwrite replaces a dataset; anything else at --out (a file, a home directory) is the user's to keep.
+        raise UserError(
+            f"{out}: not a dataset (no train/dataset.json), so --overwrite will not replace it; fix: pass a new --out"
+        )
     if kind == "sudoku":
         sudoku.check_givens(givens)
 

@@ -3,19 +3,19 @@
 A cache directory (under the cache dir, one per input and settings) holds tokens.u8 (every document's UTF-8 bytes,
 each ending in a newline, concatenated), offsets.npy (int64 [documents + 1]), labels.npy (int32 label ids, -1 when
 unlabelled) and meta.json (the sources' fingerprint, label names, sizes), written last: a cache without a matching
-meta.json is rebuilt. The fingerprint is each source file's path, size and modification time.
+meta.json is rebuilt, and so is one whose files do not agree with it (a damaged cache). The fingerprint is each
+source file's path, size and modification time.
 
 Inputs: a text file (one document), a directory (every non-hidden file, in sorted order; for classification the
 first sub-directory under it is the label), or JSONL / CSV records with a text field and, for classification, a
-label field. Without a path: the Python standard library's own .py sources on this machine.
+label field (raytrm.data.records, which checks each record). Without a path: the Python standard library's own .py
+sources on this machine.
 """
 
 from __future__ import annotations
 
 import codecs
-import csv
 import hashlib
-import io
 import json
 import logging
 import os
@@ -30,11 +30,14 @@ import psutil
 
 from raytrm.config import DataConfig
 from raytrm.constants import cache_dir
+from raytrm.data.records import read_records
 from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+#: 2: records are checked as they are read (a null text or label refused, not kept as "None"), so a cache built
+#: by version 1 from such a file is built again, and refused.
+CACHE_VERSION = 2
 RECORD_SUFFIXES = (".jsonl", ".csv")
 #: The default language-model corpus reads standard-library sources up to this many bytes (quick to build and train).
 DEFAULT_LM_BYTES = 8 * 2**20
@@ -137,42 +140,13 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
     check(b"", final=True)
 
 
-def _records(path: Path, text_field: str, label_field: str | None) -> Iterator[Document]:
-    """JSONL or CSV records as documents; a missing field is an error naming the file and the record."""
-    raw = b"".join(_file_chunks(path)).decode("utf-8")
-    if path.suffix == ".csv":
-        reader = csv.DictReader(io.StringIO(raw, newline=""))
-        columns = reader.fieldnames or []
-        for name, flag in ((text_field, "--text-field"), (label_field, "--label-field")):
-            if name is not None and name not in columns:
-                raise UserError(
-                    f"{path}: no column {name!r} (columns: {', '.join(columns) or 'none'}); "
-                    f"fix: pass {flag} with one of them"
-                )
-        for i, row in enumerate(reader, start=2):
-            label = row[label_field] if label_field is not None else None
-            yield f"{path}:{i}", label, iter([(row[text_field] or "").encode()])
-        return
-    for i, line in enumerate(raw.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise UserError(f"{path}:{i}: not a JSON object ({e.msg}); fix: one JSON object per line") from None
-        for name, flag in ((text_field, "--text-field"), (label_field, "--label-field")):
-            if name is not None and (not isinstance(record, dict) or name not in record):
-                keys = ", ".join(record) if isinstance(record, dict) else "none"
-                raise UserError(f"{path}:{i}: no field {name!r} (fields: {keys}); fix: pass {flag} with the right name")
-        label = str(record[label_field]) if label_field is not None else None
-        yield f"{path}:{i}", label, iter([str(record[text_field]).encode()])
-
-
 def _documents(root: Path, files: list[Path], data: DataConfig, labelled: bool) -> Iterator[Document]:
     label_field = data.label_field if labelled else None
     for path in files:
         if path.suffix in RECORD_SUFFIXES:
-            yield from _records(path, data.text_field, label_field)
+            raw = b"".join(_file_chunks(path)).decode("utf-8")
+            for where, label, text in read_records(path, raw, data.text_field, label_field):
+                yield where, label, iter([text.encode()])
             continue
         label = None
         if labelled:
@@ -278,6 +252,28 @@ def require_source(path: str | Path) -> Path:
     return root
 
 
+def _read_meta(directory: Path) -> dict | None:
+    """A cache's meta.json, where the cache reads whole (its arrays there, of the sizes it records); None otherwise:
+    the cache is raytrm's own, so a damaged one is built again rather than refused."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        offsets = np.load(directory / "offsets.npy", allow_pickle=False)
+        labels = np.load(directory / "labels.npy", allow_pickle=False)
+        size = (directory / "tokens.u8").stat().st_size
+        intact = (
+            isinstance(meta, dict)
+            and isinstance(meta.get("label_names"), list)
+            and meta.get("documents") == len(labels) == len(offsets) - 1
+            and meta.get("bytes") == size == int(offsets[-1])
+            and isinstance(meta.get("source"), str)
+            and offsets.ndim == labels.ndim == 1
+            and (not len(labels) or (int(labels.min()) >= -1 and int(labels.max()) < len(meta["label_names"])))
+        )
+    except (OSError, ValueError, TypeError, EOFError, IndexError):
+        return None
+    return meta if intact else None
+
+
 def build_cache(data: DataConfig, labelled: bool) -> Path:
     """The cache directory for a text config, built (or rebuilt, when its sources changed) first if needed."""
     directory, source = cache_location(data, labelled)
@@ -287,12 +283,13 @@ def build_cache(data: DataConfig, labelled: bool) -> Path:
     else:
         root, files = stdlib_dir(), _stdlib_files()
     stamp = fingerprint(files)
-    meta_path = directory / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("fingerprint") == stamp:
-            return directory
-        logger.info("%s changed since its token cache was built: rebuilding %s", source, directory)
+    meta = _read_meta(directory)
+    if meta is not None and meta.get("fingerprint") == stamp:
+        return directory
+    if (directory / "meta.json").is_file():
+        logger.info(
+            "%s changed since its token cache was built (or the cache is damaged): rebuilding %s", source, directory
+        )
     else:
         logger.info("building the token cache of %s in %s", source, directory)
     documents = _documents(root, files, data, labelled) if data.path else _stdlib_documents(files, labelled)
@@ -317,7 +314,9 @@ def _in_memory(size: int, data: DataConfig) -> tuple[bool, str]:
 def open_cache(data: DataConfig, labelled: bool) -> TokenCache:
     """Build or reuse the token cache of a text config and open it, in memory or streamed (logged with why)."""
     directory = build_cache(data, labelled)
-    meta = json.loads((directory / "meta.json").read_text())
+    meta = _read_meta(directory)
+    if meta is None:  # changed between its check and now: another process is building it
+        raise UserError(f"{directory}: the token cache changed while it was opened; fix: run again")
     offsets = np.load(directory / "offsets.npy")
     labels = np.load(directory / "labels.npy")
     where = meta["source"]

@@ -187,8 +187,9 @@ def connect_here(address: str | None, token_file: str | None = None) -> None:
         ) from None
 
 
-def status(address: str | None = None, token_file: str | None = None) -> dict[str, Any]:
-    """The cluster's nodes (address, tier, CPUs, memory, budget, whether its raytrm machine is busy) and its jobs."""
+def status(address: str | None = None, token_file: str | None = None, link: bool = False) -> dict[str, Any]:
+    """The cluster's nodes (address, tier, CPUs, memory, budget, whether its raytrm machine is busy) and its jobs;
+    with link, the rate and latency of a sum between its raytrm machines."""
     connect_here(address, token_file)
     import ray
 
@@ -213,7 +214,12 @@ def status(address: str | None = None, token_file: str | None = None) -> dict[st
                     "versions": {k: labels.get(f"{nodes.LABEL_PREFIX}{k}") for k in nodes.VERSION_KEYS},
                 }
             )
-        return {"nodes": rows, "jobs": _jobs()}
+        report = {"nodes": rows, "jobs": _jobs()}
+        if link:
+            from raytrm.distributed.cluster_link import link_status
+
+            report["link"] = link_status()
+        return report
     finally:
         ray.shutdown()
 
@@ -258,6 +264,10 @@ def format_status(report: dict[str, Any]) -> str:
     versions = {tuple(sorted(n["versions"].items())) for n in report["nodes"] if n["alive"] and n["tier"]}
     if len(versions) == 1:
         lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in next(iter(versions))) + " (every node)")
+    if "link" in report:
+        from raytrm.distributed.cluster_link import describe_link_status
+
+        lines.append(describe_link_status(report["link"]))
     jobs = report["jobs"]
     if jobs is None:
         lines.append("jobs: run `raytrm cluster status` on the head to see them (its dashboard listens there only)")

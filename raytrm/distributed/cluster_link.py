@@ -3,7 +3,8 @@ group, times sums of growing buffers, the probe a run takes at its start (raytrm
 
 `choose_for_cluster` then picks the sync mode and round length that keep the wait under 5% of a step, from that
 link, the model's gradient bytes and the cluster's step: every machine at its tier's measured samples/s, the global
-batch shared so that they finish together, is B / (sum of the machines' samples/s).
+batch shared so that they finish together, is B / (sum of the machines' samples/s). `link_status` is the same probe
+for a person: `raytrm cluster status --link`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,15 @@ import torch
 
 from raytrm import config as cfg
 from raytrm.distributed.ray_train import Node, raytrm_nodes
+from raytrm.errors import UserError
 from raytrm.sync.link import TARGET_SHARE, Link, choose, fewest_steps, measure_link
 
 logger = logging.getLogger(__name__)
+
+#: The largest sum `raytrm cluster status --link` times: a large model's gradient (the probe stops at a 1 s sum).
+STATUS_PROBE_BYTES = 1 << 26
+#: How long it waits for the probe: machines that cannot open a connection to each other never answer.
+STATUS_PROBE_TIMEOUT_S = 120.0
 
 
 def model_bytes(experiment: dict[str, Any]) -> int:
@@ -48,8 +55,11 @@ def probe(rank: int, world_size: int, address: str, port: int, nbytes: int) -> d
     return {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s, "probe_s": seconds}
 
 
-def measure_cluster_link(nbytes: int, nodes: Sequence[Node] | None = None) -> Link | None:
-    """The link between the cluster's raytrm machines (Ray connected); None with fewer than two."""
+def measure_cluster_link(
+    nbytes: int, nodes: Sequence[Node] | None = None, timeout_s: float | None = None
+) -> Link | None:
+    """The link between the cluster's raytrm machines (Ray connected); None with fewer than two. timeout_s: Ray's
+    GetTimeoutError past it (default: wait)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -63,11 +73,37 @@ def measure_cluster_link(nbytes: int, nodes: Sequence[Node] | None = None) -> Li
         strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
         return ray.remote(num_cpus=0)(fn).options(scheduling_strategy=strategy)
 
-    port = ray.get(on(nodes[0], free_port).remote())
+    port = ray.get(on(nodes[0], free_port).remote(), timeout=timeout_s)
     address, count = nodes[0].address, len(nodes)
-    found = ray.get([on(node, probe).remote(rank, count, address, port, nbytes) for rank, node in enumerate(nodes)])[0]
+    probes = [on(node, probe).remote(rank, count, address, port, nbytes) for rank, node in enumerate(nodes)]
+    found = ray.get(probes, timeout=timeout_s)[0]
     logger.info("the link between %d machines, probed in %.1f s", len(nodes), found["probe_s"])
     return Link(found["latency_s"], found["bytes_per_s"])
+
+
+def link_status(nbytes: int = STATUS_PROBE_BYTES, timeout_s: float = STATUS_PROBE_TIMEOUT_S) -> dict[str, Any]:
+    """The rate and latency of a sum between the cluster's raytrm machines (Ray connected), as `raytrm cluster status
+    --link` shows them: {machines, mbit_s, latency_ms}, the last two only where there are two machines or more."""
+    from ray.exceptions import GetTimeoutError
+
+    nodes = raytrm_nodes()
+    try:
+        found = measure_cluster_link(nbytes, nodes, timeout_s)
+    except GetTimeoutError:
+        raise UserError(
+            f"the link probe between the {len(nodes)} raytrm machines got no answer in {timeout_s:.0f} s: each Mac "
+            "must accept connections from the others on any port (the firewall: cluster/README.md); allow them and "
+            "run `raytrm cluster status --link` again"
+        ) from None
+    return {"machines": len(nodes), **(found.to_dict() if found else {})}
+
+
+def describe_link_status(found: dict[str, Any]) -> str:
+    """link_status as the line `raytrm cluster status --link` prints."""
+    if "mbit_s" not in found:
+        return f"link: {found['machines']} raytrm machine(s), nothing to measure (a sum needs two)"
+    link = Link(found["latency_ms"] / 1e3, found["mbit_s"] * 1e6 / 8)
+    return f"link between the {found['machines']} raytrm machines: {link.describe()} (gloo, as training sums)"
 
 
 def choose_for_cluster(

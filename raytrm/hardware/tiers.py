@@ -1,4 +1,5 @@
-"""Machine tiers: the table in tune_spaces/tiers.yaml, and the rule that picks a machine's tier."""
+"""Machine tiers: the table in tiers.yaml (shipped with raytrm: raytrm.constants.spaces_dir), and the rule that picks
+a machine's tier."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raytrm.config import THERMAL_STATES, from_dict, read_yaml
-from raytrm.constants import spaces_dir
+from raytrm.constants import SPACES_DIR_ENV, spaces_dir
 from raytrm.errors import ConfigError
-from raytrm.schema import spec
+from raytrm.schema import check_version, spec
 
 if TYPE_CHECKING:
     from raytrm.hardware.probe import HardwareInfo
@@ -87,7 +88,11 @@ def default_tiers_path() -> Path:
 def load_tiers(path: str | Path | None = None) -> list[TierSpec]:
     """Read and validate tiers.yaml; every error names the file, the row and the field."""
     path = Path(path) if path else default_tiers_path()
-    table = from_dict(TierTable, read_yaml(path), str(path))
+    data = read_yaml(path)
+    if isinstance(data, dict) and "raytrm_tiers" in data:  # a table without it is of the first version
+        again = "write the table for this version (`raytrm validate tiers` shows the shipped one and where it lies)"
+        check_version(data, str(path), "raytrm_tiers", TIERS_SCHEMA_VERSION, "", again)
+    table = from_dict(TierTable, data, str(path))
     rows, seen = [], set()
     for i, raw in enumerate(table.tiers):
         row = from_dict(TierSpec, raw, str(path), f"tiers[{i}]")
@@ -173,7 +178,10 @@ def match_tier(hw: HardwareInfo, tiers: list[TierSpec] | None = None) -> Tier:
         dtype="auto" if hw.device == "cuda" else "float32",
         reason="no rule in tiers.yaml matches this machine; tier derived from its memory and cores",
         generic=True,
-        notes=["add a rule to tune_spaces/tiers.yaml to name this machine's tier"],
+        notes=[
+            "to name this machine's tier, copy the shipped tiers.yaml (`raytrm validate tiers` says where it lies) "
+            f"into a folder of your own, add a rule, and set {SPACES_DIR_ENV} to that folder"
+        ],
     )
 
 

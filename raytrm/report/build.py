@@ -19,6 +19,7 @@ from raytrm.report.plots import write_run_plots
 from raytrm.report.runs import RunRecord, load_run
 from raytrm.report.sync import sync_lines
 from raytrm.train.run import CONFIG_FILE, METRICS_FILE
+from raytrm.train.run_dir import guard_output
 
 REPORT_DIR, DIAGNOSIS_FILE, TUNING_FILE = "report", "diagnosis.txt", "tuning.txt"
 
@@ -42,6 +43,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
             f"{run_dir}: no such directory; give the --out directory of a `raytrm train` or `raytrm tune` run"
         )
     out_dir = Path(out) if out else run_dir / REPORT_DIR
+    _check_out(out_dir)
     if (run_dir / TUNE_FILE).is_file():
         return _tuning_report(run_dir, out_dir)
     if (run_dir / CONFIG_FILE).is_file() or (run_dir / METRICS_FILE).is_file():
@@ -52,8 +54,32 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
     )
 
 
+def _check_out(out_dir: Path) -> None:
+    """The report goes into a directory: a file where it or a parent would be is refused, never replaced, and so is a
+    place where a run keeps its own files (its checkpoints, another run's directory)."""
+    for path in (out_dir, *out_dir.parents):
+        if path.exists() and not path.is_dir():
+            what = "an existing file" if path == out_dir else f"under {path}, an existing file"
+            raise UserError(
+                f"--out {out_dir}: {what}; expected a directory for the report's plots and text (default "
+                "RUN_DIR/report); fix: give --out a new or an existing directory"
+            )
+    guard_output(out_dir, directory=True)
+
+
+def _writing(out_dir: Path) -> None:
+    """Make the report directory; one that cannot be made is one line."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"--out {out_dir}: cannot make the report directory ({e.strerror}); fix: give --out a writable directory"
+        ) from None
+
+
 def _training_report(run_dir: Path, out_dir: Path) -> Report:
     record = load_run(run_dir)
+    _writing(out_dir)
     plots, skipped = write_run_plots(record, out_dir)
     text = format_diagnosis(record, diagnose(record), out_dir, plots, skipped)
     cfg.write_text_atomic(text + "\n", out_dir / DIAGNOSIS_FILE)
@@ -65,7 +91,7 @@ def _tuning_report(run_dir: Path, out_dir: Path) -> Report:
     from raytrm.tune.tables import format_table
 
     table = format_table(run_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _writing(out_dir)
     plots = [Path(shutil.copy2(path, out_dir / path.name)) for path in write_plots(run_dir)]
     lines = [f"tuning run {run_dir}", table, _plot_line(out_dir, plots)]
     text = "\n".join(lines)

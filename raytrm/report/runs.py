@@ -11,8 +11,10 @@ spent in training steps.
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,9 @@ from typing import Any
 import numpy as np
 
 from raytrm import config as cfg
-from raytrm.errors import UserError
+from raytrm.config import THERMAL_STATES
+from raytrm.errors import ConfigError, UserError
+from raytrm.schema import check_fields, read_json
 from raytrm.train.run import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 
 logger = logging.getLogger(__name__)
@@ -78,28 +82,121 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+#: Fields of a metrics line the report reads as they are (not through `series`, which skips what is not a number),
+#: with their kinds; a line that has one of another kind was not written by `raytrm train`.
+LINE_FIELDS = {
+    "event": "str",
+    "thermal_state": "str",
+    "workers": "list",
+    "rank": "int",
+    "micro_batch_to": "int",
+    "mode": "str",
+    "every": "int",
+    "overlap": "int",
+}
+#: Fields of a worker's row (a step line's `workers`) that the report reads.
+WORKER_FIELDS = {
+    "rank": "int",
+    "share": "int",
+    "micro_batch": "int",
+    "compute_s": "number",
+    "sync_s": "number",
+    "samples_per_sec": "number",
+}
+#: Fields of summary.json the report reads, with their kinds.
+SUMMARY_FIELDS = {
+    **dict.fromkeys(("steps", "sync_every"), "int"),
+    **dict.fromkeys(
+        (
+            "steady_samples_per_sec",
+            "setup_seconds",
+            "warmup_seconds",
+            "peak_step_mb",
+            "memory_budget_mb",
+            "wall_seconds",
+            "train_seconds",
+        ),
+        "number",
+    ),
+    **dict.fromkeys(("stop_reason", "device", "dtype", "peak_method", "sync_mode"), "str"),
+    **dict.fromkeys(("threads", "sync_share"), "dict"),
+    "micro_batches": "list",
+}
+DAMAGED = "the file is damaged: delete or repair that line"
+
+
+def _check_line(record: Any, path: Path, number: int, text: str) -> None:
+    """A metrics line as `raytrm train` writes it, in the fields the report reads."""
+    where = f"{path} line {number}"
+    step = record.get("step") if isinstance(record, dict) else None
+    if not _number(step) or not math.isfinite(step) or step < 0:
+        raise UserError(
+            f"{where}: expected a JSON object with a numeric step (>= 0), got {text[:60]!r}; the file is not one "
+            "`raytrm train` wrote: give the run directory of a training run"
+        )
+    check_fields(record, where, LINE_FIELDS, fix=DAMAGED)
+    if "event" in record:
+        check_fields(record, where, {"event": "str"}, required=("event",), fix=DAMAGED)
+    if record.get("event") == "sync-choice":
+        check_fields(record, where, {"mode": "str"}, required=("mode",), fix=DAMAGED)
+    if record.get("thermal_state") is not None and record["thermal_state"] not in THERMAL_STATES:
+        raise ConfigError(
+            where, "thermal_state", record["thermal_state"], f"one of {', '.join(THERMAL_STATES)}", DAMAGED
+        )
+    for i, row in enumerate(record.get("workers") or []):
+        if not isinstance(row, dict):
+            raise ConfigError(where, f"workers[{i}]", row, "a mapping of a worker's figures", DAMAGED)
+        check_fields(row, where, WORKER_FIELDS, f"workers[{i}].", required=("rank",), fix=DAMAGED)
+
+
+def _torn(data: bytes) -> bool:
+    """Whether a last line that does not parse reads as the start of a line a run was writing when it stopped: an
+    object's opening, in text (its last character may be cut mid-byte-sequence)."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+    except UnicodeDecodeError:
+        return False
+    return data.lstrip().startswith(b"{") and b"\0" not in data
+
+
 def read_lines(path: Path) -> tuple[list[dict[str, Any]], int | None]:
-    """The records of a metrics.jsonl and the number of a torn last line (a run killed mid-write), which is skipped
-    with a warning; any other line that is not a JSON object with a step is refused."""
-    lines = [(n, text) for n, text in enumerate(path.read_text().splitlines(), start=1) if text.strip()]
+    """The records of a metrics.jsonl and the number of a torn last line (a run killed mid-write), which the caller
+    skips with a warning; any other line that is not a JSON object with a step, in UTF-8, is refused."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"{path}: cannot read it ({e.strerror}); check its permissions") from None
+    lines = [(n, text) for n, text in enumerate(raw.split(b"\n"), start=1) if text.strip()]
     records: list[dict[str, Any]] = []
-    for position, (number, text) in enumerate(lines):
+    for position, (number, data) in enumerate(lines):
         try:
+            text = data.decode("utf-8")
             record = json.loads(text)
-        except ValueError as e:
-            if position == len(lines) - 1:
-                logger.warning("%s line %d: cut short (the run stopped mid-write); skipped", path, number)
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            if position == len(lines) - 1 and _torn(data):
                 return records, number
-            raise UserError(
-                f"{path} line {number}: not JSON ({e.msg}); the file is damaged: delete or repair that line"
-            ) from None
-        if not isinstance(record, dict) or not _number(record.get("step")):
-            raise UserError(
-                f"{path} line {number}: expected a JSON object with a numeric step, got {text[:60]!r}; the file is "
-                "not one `raytrm train` wrote: give the run directory of a training run"
-            )
+            what = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "not JSON"
+            detail = f" ({e.msg})" if isinstance(e, json.JSONDecodeError) else ""
+            raise UserError(f"{path} line {number}: {what}{detail}; {DAMAGED}") from None
+        _check_line(record, path, number, text)
         records.append(record)
     return records, None
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """summary.json, in the fields the report reads."""
+    fix = f"delete it to report from {METRICS_FILE} alone"
+    summary = read_json(path, fix)
+    check_fields(summary, str(path), SUMMARY_FIELDS, fix=fix)
+    threads = summary.get("threads") or {}
+    check_fields(threads, str(path), {"threads": "int"}, "threads.", fix=fix)
+    shares = summary.get("sync_share") or {}
+    check_fields(shares, str(path), {"run": "number", "workers": "list"}, "sync_share.", fix=fix)
+    if not all(_number(v) and isinstance(v, int) for v in summary.get("micro_batches") or []):
+        raise ConfigError(str(path), "micro_batches", summary["micro_batches"], "a list of integers", fix)
+    if not all(_number(v) for v in shares.get("workers") or []):
+        raise ConfigError(str(path), "sync_share.workers", shares["workers"], "a list of numbers", fix)
+    return summary
 
 
 def training_time(steps: list[dict[str, Any]], global_batch: int) -> np.ndarray:
@@ -131,15 +228,11 @@ def load_run(run_dir: str | Path) -> RunRecord:
             f"{run_dir / METRICS_FILE}: no step line yet; a run logs every log_interval "
             f"({config.training.log_interval}) steps: report it once it has trained that far"
         )
-    summary = None
-    if (run_dir / SUMMARY_FILE).is_file():
-        try:
-            summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-        except ValueError as e:
-            raise UserError(
-                f"{run_dir / SUMMARY_FILE}: not JSON ({e.msg}); delete it to report from metrics.jsonl alone"
-            ) from None
-    notes = [f"{METRICS_FILE} line {torn} was cut short (the run stopped mid-write): skipped"] if torn else []
+    summary = read_summary(run_dir / SUMMARY_FILE) if (run_dir / SUMMARY_FILE).is_file() else None
+    notes = []
+    if torn:
+        logger.warning("%s line %d: cut short (the run stopped mid-write); skipped", run_dir / METRICS_FILE, torn)
+        notes.append(f"{METRICS_FILE} line {torn} was cut short (the run stopped mid-write): skipped")
     last = steps[-1]["step"]
     if summary is None:
         notes.append(f"no {SUMMARY_FILE}: the run did not finish (killed, or still running); read from {METRICS_FILE}")

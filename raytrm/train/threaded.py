@@ -15,7 +15,7 @@ the configured micro-batch (the memory governor's), never more.
 It needs OpenMP as ATen's parallel backend and MKL's BLAS (oneDNN, raytrm.fastpaths.onednn, uses the same OpenMP),
 where one thread's `torch.set_num_threads(1)` is that thread's alone; elsewhere (on a GPU, compiled, with one
 thread, or under a FLOP counter or a profiler that sees one thread's operations) micro-batches run one after
-another. A profiler watching all threads (`raytrm bench trm --breakdown`) sees them side by side.
+another. A profiler watching all threads (`python -m benchmarks trm --breakdown`) sees them side by side.
 """
 
 from __future__ import annotations

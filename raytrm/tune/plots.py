@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 from raytrm.tune.layout import PLOTS_DIR, read_state
+from raytrm.tune.studies import load_study
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,6 @@ def write_plots(run_dir: str | Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import optuna
     from optuna.visualization import matplotlib as ovm
 
     run_dir = Path(run_dir)
@@ -32,7 +32,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     if state.get("learning_study"):
         studies = {f"{tier}-speed": name for tier, name in studies.items()} | {"learning": state["learning_study"]}
     for label, study_name in studies.items():
-        study = optuna.load_study(study_name=study_name, storage=state["storage"])
+        study = load_study(state, study_name)
         multi = len(study.directions) > 1
         plots = {
             "importances": lambda s, multi=multi: ovm.plot_param_importances(

@@ -16,13 +16,18 @@ from typing import Any
 
 from raytrm import config as cfg
 from raytrm.errors import UserError
+from raytrm.train.run_dir import guard_output
 from raytrm.tune import objectives
-from raytrm.tune.layout import PROFILES_DIR, SYNC_FILE, read_state, run_space
+from raytrm.tune.layout import PROFILES_DIR, read_state, read_sync, run_space
 from raytrm.tune.space import SearchSpace, horizon_of
 from raytrm.tune.studies import ranked, staged_candidates
 from raytrm.tune.verify import verification
 
 logger = logging.getLogger(__name__)
+
+
+class NothingToExport(UserError):
+    """A tier of a sound run that has no profile to give (no feasible trial): skipped when exporting every tier."""
 
 
 def _horizon_training(training: dict[str, Any], space: SearchSpace) -> None:
@@ -58,7 +63,7 @@ def _staged_profile(run_dir: Path, tier: str, state: dict[str, Any]) -> cfg.Prof
     feasible = [c for c in choices if c.feasible]
     if not feasible or speed is None:
         why = "no speed setting fits its limits" if speed is None else "no learning config reached the horizon there"
-        raise UserError(f"{run_dir}: tier {tier}: {why}; widen the space or the limits and tune again")
+        raise NothingToExport(f"{run_dir}: tier {tier}: {why}; widen the space or the limits and tune again")
     best = feasible[0]
     space = run_space(run_dir, state)
     verify = _verified(run_dir, tier, best.trial, quality=False)
@@ -88,7 +93,9 @@ def build_profile(run_dir: Path, tier: str) -> cfg.Profile:
         return _staged_profile(run_dir, tier, state)
     best, space, state = ranked(run_dir, tier)
     if not best:
-        raise UserError(f"{run_dir}: no feasible trial for tier {tier}; widen the space or the limits and tune again")
+        raise NothingToExport(
+            f"{run_dir}: no feasible trial for tier {tier}; widen the space or the limits and tune again"
+        )
     trial = best[0]
     attrs = trial.user_attrs
     experiment = json.loads(json.dumps(attrs["experiment"]))
@@ -145,10 +152,9 @@ def _with_sync(training: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """The sync mode the tuner chose from the link between the cluster's machines, into the profile's training
     settings where the experiment left it to `auto` (a round length searched as a learning knob is kept); returns
     the record for measured.sync ({} on one machine)."""
-    path = run_dir / SYNC_FILE
-    if not path.is_file():
+    record = read_sync(run_dir)
+    if record is None:
         return {}
-    record = json.loads(path.read_text())
     if training.get("sync_mode", "auto") == "auto":
         training["sync_mode"] = record["mode"]
         if record["mode"] == "local":
@@ -160,17 +166,39 @@ def _with_sync(training: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     return record
 
 
+def _check_out(out: Path) -> None:
+    """--out names the profile file to write: a directory, or a file that is not a profile (a checkpoint, a run's
+    config, tune.yaml), is refused and left as it is; an earlier profile is replaced, as an export again means."""
+    if out.exists() and not out.is_dir():
+        guard_output(out)  # a run's own file or a checkpoint: named as such
+    if out.is_dir():
+        raise UserError(f"--out {out}: a directory; expected the profile's file name; fix: e.g. --out {out}/TIER.yaml")
+    if not out.exists():
+        return
+    try:
+        data = cfg.read_yaml(out)
+    except UserError:
+        data = None
+    if not isinstance(data, dict) or "raytrm_profile" not in data:
+        raise UserError(
+            f"--out {out}: an existing file that is not a raytrm profile; refusing to replace it; fix: give --out a "
+            "new file name (or an earlier profile, to replace it)"
+        )
+
+
 def export_run(run_dir: str | Path, tier: str | None = None, out: str | None = None) -> dict[str, Path]:
     """Write the profile of one tier (or of every tier with a feasible trial); returns tier -> path."""
     run_dir = Path(run_dir)
     tiers = [tier] if tier else read_state(run_dir)["tiers"]
     if out and len(tiers) > 1:
         raise UserError(f"--out names one file but {run_dir} has tiers {', '.join(tiers)}; add --tier")
+    if out:
+        _check_out(Path(out))
     written = {}
     for name in tiers:
         try:
             profile = build_profile(run_dir, name)
-        except UserError as e:
+        except NothingToExport as e:
             if tier:
                 raise
             logger.warning("%s", e)

@@ -1,4 +1,5 @@
-"""Search space files (tune_spaces/*.yaml): the base experiment, the parameters to search, objective, budget, limits.
+"""Search space files (the shipped raytrm/tune_spaces/*.yaml, or a user's own): the base experiment, the parameters
+to search, objective, budget, limits.
 
 A file is validated completely before any trial runs: unknown keys, empty or inverted ranges, parameters that do not
 apply to the model, tier names not in tiers.yaml, and parameter values that would build an invalid experiment (a
@@ -11,15 +12,16 @@ import copy
 import dataclasses
 import fnmatch
 import itertools
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from raytrm import config as cfg
-from raytrm.constants import spaces_dir
+from raytrm.constants import named_file, spaces_dir
 from raytrm.errors import ConfigError, UserError
-from raytrm.schema import read_versioned_yaml, spec
+from raytrm.schema import check_version, read_versioned_yaml, spec
 from raytrm.tune.params import ParamSpec, parse_param
 from raytrm.tune.space_sections import Budget, Horizon, Pareto, SpaceLimits, TierLimits
 
@@ -28,6 +30,8 @@ DEFAULT_SPACE = "quick"
 OBJECTIVES = ("quality", "throughput", "pareto")
 PRUNERS = ("none", "median", "successive_halving")
 BATCH_FIELDS = ("training.global_batch_size", "training.micro_batch_size", "training.grad_accum_steps")
+#: How to get a space file of this raytrm's version, beside upgrading raytrm.
+SPACE_AGAIN = "write the space for this version (`raytrm validate quick` shows a shipped one and where it lies)"
 #: Tier names that tiers.yaml does not list but a machine can have: the generic tier of an unlisted machine.
 GENERIC_TIER_GLOB = "generic-*"
 
@@ -116,20 +120,19 @@ def describe_horizon(horizon: dict[str, float] | None, share: float = 1.0) -> st
 
 
 def resolve_space_path(path: str | os.PathLike | None) -> Path:
-    """The space file: a path, a name in tune_spaces/ ('sudoku'), or the quick default."""
+    """The space file: a path, the name of a packaged space ('sudoku'), or the quick default."""
     if path is None:
         return spaces_dir() / f"{DEFAULT_SPACE}.yaml"
-    p = Path(path)
-    if not p.exists() and not p.suffix and (spaces_dir() / f"{p}.yaml").is_file():
-        return spaces_dir() / f"{p}.yaml"
-    return p
+    return named_file(path) or Path(path)
 
 
 def load_space(path: str | os.PathLike | None = None) -> SearchSpace:
     """Read and validate a space file (see the module docstring)."""
     p = resolve_space_path(path)
-    fix = "this is not a search space; add `raytrm_space: 1` or pick a file in tune_spaces/"
-    data = read_versioned_yaml(p, "raytrm_space", SPACE_SCHEMA_VERSION, fix)
+    missing = (
+        "this is not a search space; add `raytrm_space: 1`, or name a shipped space (quick, sudoku, maze, transformer)"
+    )
+    data = read_versioned_yaml(p, "raytrm_space", SPACE_SCHEMA_VERSION, missing, SPACE_AGAIN)
     return space_from_dict(data, str(p), default_name=p.stem)
 
 
@@ -137,6 +140,8 @@ def space_from_dict(data: Any, source: str, default_name: str = "study") -> Sear
     """Validate a space given as a mapping; source names it in errors."""
     if isinstance(data, dict) and ("source" in data or "parsed" in data):
         raise UserError(f"{source}: 'source' and 'parsed' are not space fields; remove them")
+    if isinstance(data, dict) and "raytrm_space" in data:
+        check_version(data, source, "raytrm_space", SPACE_SCHEMA_VERSION, "", SPACE_AGAIN)
     space = cfg.from_dict(SearchSpace, data, source)
     space.source, space.name = source, space.name or default_name
     base = cfg.from_dict(cfg.ExperimentConfig, space.base, source, "base")
@@ -200,7 +205,8 @@ def space_from_dict(data: Any, source: str, default_name: str = "study") -> Sear
                 "a mapping of searched parameters to values",
                 f"use names from params: {', '.join(parsed)}",
             )
-        _try_build(space, point, f"start_with[{i}]", list(point))
+        if _builds(space, point) is not None:
+            _refuse(space, point, f"start_with[{i}]")
     _check_combinations(space, base)
     return space
 
@@ -218,7 +224,7 @@ def _check_tiers(space: SearchSpace, source: str) -> None:
                 path,
                 name,
                 "a tier name from tiers.yaml (or generic-*)",
-                "check the name with `raytrm probe` or tune_spaces/tiers.yaml",
+                "check the name with `raytrm probe` or `raytrm validate tiers`",
             )
     for name, raw in space.limits.tiers.items():
         cfg.from_dict(TierLimits, raw, source, f"limits.tiers.{name}")
@@ -247,16 +253,26 @@ def build_experiment(base: dict[str, Any], params: dict[str, Any], source: str =
     global_batch = training.get("global_batch_size", cfg.TrainConfig().global_batch_size)
     if "training.micro_batch_size" in params and "training.grad_accum_steps" not in params:
         micro = params["training.micro_batch_size"]
-        training["grad_accum_steps"] = max(1, global_batch // micro) if micro else 1
-        if micro and global_batch % micro:
-            training["grad_accum_steps"] = -1  # fails validation below, naming the micro-batch
+        # A micro-batch that does not divide the global batch fails validation below, naming the micro-batch.
+        training["grad_accum_steps"] = max(1, global_batch // micro) if isinstance(micro, int) and micro > 0 else 1
     elif "training.grad_accum_steps" in params and "training.micro_batch_size" not in params:
         training["micro_batch_size"] = None
     return cfg.from_dict(cfg.ExperimentConfig, data, source)
 
 
+#: A space of at most this many points (each parameter at its choices, or at the ends of a long range) has every
+#: point checked; a larger one has every pair of parameters checked at their points, the others at the base's values.
+MAX_CHECKED_POINTS = 1024
+#: A range of at most this many values is checked at every value, a longer one at its two ends.
+MAX_CHECKED_VALUES = 16
+
+
 def _check_combinations(space: SearchSpace, base: cfg.ExperimentConfig) -> None:
-    """Every batch combination, and each other parameter at its extremes, builds a valid experiment."""
+    """Every point a trial can draw builds a valid experiment: the config's rules across fields (a micro-batch that
+    divides the global batch, sync_overlap below sync_every, heads that divide the width) hold at every combination
+    of the parameters' values, checked where a trial checks them (build_experiment), so a bad point fails here and
+    not inside a trial. Divisibility needs every value, so the batch fields are always enumerated; other ranges
+    are checked at their ends, where the config's bounds and orderings break first."""
     params: dict[str, ParamSpec] = space.parsed
     if "training.micro_batch_size" in params and "training.grad_accum_steps" in params:
         raise ConfigError(
@@ -266,36 +282,72 @@ def _check_combinations(space: SearchSpace, base: cfg.ExperimentConfig) -> None:
             "one of the two",
             "search the micro-batch; the accumulation follows from the global batch",
         )
-    batch = [name for name in BATCH_FIELDS if name in params]
-    enumerable = {name: params[name].values() for name in batch}
-    for name, values in enumerable.items():
-        if values is None:
-            raise ConfigError(space.source, f"params.{name}", "a huge range", "a range of at most 4096 values")
-    for combo in itertools.product(*enumerable.values()):
-        values = dict(zip(batch, combo, strict=True))
-        _try_build(space, values, ", ".join(f"{k}={v}" for k, v in values.items()), batch)
+    points: dict[str, list] = {}
     for name, p in params.items():
-        if name in batch:
-            continue
-        for value in p.extremes():
-            _try_build(space, {name: value}, f"{name}={value}", [name])
+        values = p.values()
+        if name in BATCH_FIELDS and values is None:
+            raise ConfigError(space.source, f"params.{name}", "a huge range", "a range of at most 4096 values")
+        if values is None or (name not in BATCH_FIELDS and len(values) > MAX_CHECKED_VALUES):
+            values = p.extremes()
+        points[name] = values
+    names = list(points)
+    if math.prod(len(v) for v in points.values()) <= MAX_CHECKED_POINTS:
+        groups = [names]
+    else:
+        groups = [list(pair) for pair in itertools.combinations(names, 2)]
+    for group in groups:
+        for combo in itertools.product(*(points[name] for name in group)):
+            values = dict(zip(group, combo, strict=True))
+            if _builds(space, values) is not None:
+                _refuse(space, _smallest(space, values))
 
 
-def _try_build(space: SearchSpace, values: dict[str, Any], what: str, names: list[str]) -> None:
+def _builds(space: SearchSpace, values: dict[str, Any]) -> UserError | None:
+    """The error building the experiment of these values gives, or None where it builds."""
     try:
         build_experiment(space.base, values, "<check>")
-    except ConfigError as e:
-        where = "params." + names[-1] if len(names) == 1 else "params"
-        fix = (
-            (
+    except UserError as e:
+        return e
+    return None
+
+
+def _smallest(space: SearchSpace, values: dict[str, Any]) -> dict[str, Any]:
+    """The values of a bad point without those that play no part in what breaks: each left at the base's value in
+    turn, and dropped where the point still breaks the same rule without it."""
+    wrong = _builds(space, values)
+    rule = getattr(wrong, "path", str(wrong))
+    for name in list(values):
+        fewer = {k: v for k, v in values.items() if k != name}
+        error = _builds(space, fewer) if fewer else None
+        if error is not None and getattr(error, "path", str(error)) == rule:
+            values = fewer
+    return values
+
+
+def _refuse(space: SearchSpace, values: dict[str, Any], where: str | None = None) -> None:
+    """Refuse the space for the point `values` (at `where`; default the params), naming the parameters, their values
+    and the rule they break."""
+    error = _builds(space, values)
+    names = list(values)
+    if isinstance(error, ConfigError):
+        where = where or ("params." + names[0] if len(names) == 1 else "params")
+        if any(n in BATCH_FIELDS for n in names):
+            fix = (
                 "search the micro-batch among divisors of the global batch (categorical choices), or search "
                 "training.grad_accum_steps"
             )
-            if any(n in BATCH_FIELDS for n in names)
-            else "narrow the range"
-        )
+        elif len(names) == 1:
+            fix = "narrow the range"
+        else:
+            fix = "drop the values that clash from one parameter's choices (a trial may draw any combination), or "
+            fix += "set one of them in base"
+        received = values if len(values) > 1 or where.startswith("start_with") else next(iter(values.values()))
         raise ConfigError(
-            space.source, where, what, f"values that build a valid experiment ({e.path}: expected {e.expected})", fix
+            space.source,
+            where,
+            received,
+            f"values that build a valid experiment ({error.path}: expected {error.expected})",
+            fix,
         ) from None
-    except UserError as e:
-        raise UserError(f"{space.source}: {what} builds an invalid experiment: {e}") from None
+    what = ", ".join(f"{k}={v}" for k, v in values.items())
+    raise UserError(f"{space.source}: {what} builds an invalid experiment: {error}") from None

@@ -4,7 +4,7 @@ settings fastest first, the learning configs that trained to the horizon, and ho
 
 from __future__ import annotations
 
-import json
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +12,33 @@ import optuna
 
 from raytrm.errors import UserError
 from raytrm.tune import objectives, staged
-from raytrm.tune.layout import RATES_DIR, read_state, run_space
+from raytrm.tune.layout import RATES_DIR, read_result, read_state, run_space, study_db
+
+
+@functools.lru_cache(maxsize=8)
+def _storage(url: str, device: int, inode: int) -> optuna.storages.RDBStorage:
+    """One storage per study file (a file put in its place is another): opening one checks its schema against
+    optuna's migration scripts, read from disk each time, and a table or an export opens the run's studies a dozen
+    times."""
+    return optuna.storages.RDBStorage(url)
 
 
 def load_study(state: dict[str, Any], name: str) -> optuna.Study:
-    """One of the run's studies, by name, from the storage its state names."""
+    """One of the run's studies, by name, from the storage its state names; a storage that does not hold it is one
+    line."""
+    import sqlalchemy.exc
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.load_study(study_name=name, storage=state["storage"])
+    db = study_db(state)
+    fix = "restore the run's study.db, or tune again into a new directory (--out NEW_DIR)"
+    try:
+        stat = db.stat()
+        return optuna.load_study(study_name=name, storage=_storage(state["storage"], stat.st_dev, stat.st_ino))
+    except KeyError:  # optuna's answer for a study name the storage does not hold
+        raise UserError(f"{db}: no study {name!r}, which tune.yaml names; {fix}") from None
+    except (sqlalchemy.exc.SQLAlchemyError, RuntimeError) as e:  # a damaged file, or a schema optuna cannot read
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{db}: cannot read study {name!r} ({first}); {fix}") from None
 
 
 def _check_tier(run_dir: Path, state: dict[str, Any], tier: str) -> None:
@@ -67,7 +87,7 @@ def rates(run_dir: Path, tier: str) -> dict[int, dict[str, Any]]:
     for path in (run_dir / RATES_DIR).glob(f"{tier}-*.json"):
         number = path.stem.rsplit("-", 1)[-1]
         if number.isdigit():
-            out[int(number)] = json.loads(path.read_text())
+            out[int(number)] = read_result(path)
     return out
 
 

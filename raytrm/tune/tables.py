@@ -22,6 +22,12 @@ def format_params(params: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def _figure(result: dict[str, Any], key: str, spec: str) -> str:
+    """A re-run's figure as the table shows it; one it did not measure (null, or absent) is "n/a", not a 0."""
+    value = result.get(key)
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "n/a"
+
+
 def _lost_line(state: dict[str, Any], tier: str) -> list[str]:
     lost = state.get("lost_tiers", {}).get(tier)
     if not lost:
@@ -84,8 +90,8 @@ def _staged_lines(run_dir: Path, tier: str, state: dict[str, Any]) -> list[str]:
     v = verification(run_dir, tier)
     if v is not None:
         lines.append(
-            f"  verified : samples/s {v.get('samples_per_sec', 0):.1f}  peak {v.get('peak_memory_mb', 0):.0f} MiB  "
-            f"({v.get('status')})"
+            f"  verified : samples/s {_figure(v, 'samples_per_sec', '.1f')}  peak "
+            f"{_figure(v, 'peak_memory_mb', '.0f')} MiB  ({v.get('status')})"
         )
     return lines + _profile_line(run_dir, tier)
 
@@ -117,10 +123,10 @@ def _study_lines(run_dir: Path, tier: str, state: dict[str, Any]) -> list[str]:
         )
     v = verification(run_dir, tier)
     if v is not None:
-        quality = "" if horizon_of(space) else f"  quality {v.get('quality', 0):.4g}"
+        quality = "" if horizon_of(space) else f"  quality {_figure(v, 'quality', '.4g')}"
         lines.append(
-            f"  verified : samples/s {v.get('samples_per_sec', 0):.1f}  peak "
-            f"{v.get('peak_memory_mb', 0):.0f} MiB{quality}  ({v.get('status')})"
+            f"  verified : samples/s {_figure(v, 'samples_per_sec', '.1f')}  peak "
+            f"{_figure(v, 'peak_memory_mb', '.0f')} MiB{quality}  ({v.get('status')})"
         )
     return lines + _profile_line(run_dir, tier)
 

@@ -34,8 +34,12 @@ from raytrm.tune.layout import (
     SYNC_FILE,
     TRIALS_DIR,
     TUNE_FILE,
+    check_kept,
     learning_study,
+    load_state,
     open_storage,
+    read_result,
+    run_space,
     speed_study,
     stage_setup,
     staged_study,
@@ -46,7 +50,7 @@ from raytrm.tune.layout import (
 from raytrm.tune.plots import write_plots
 from raytrm.tune.profiles import export_run
 from raytrm.tune.search import completed_count, record
-from raytrm.tune.space import SearchSpace, load_space, space_from_dict
+from raytrm.tune.space import SearchSpace, load_space
 from raytrm.tune.studies import best_speed
 from raytrm.tune.tables import format_table
 from raytrm.tune.verify import measure_rates, verify_best
@@ -73,7 +77,7 @@ def recover(study: optuna.Study, tier: str, run_dir: Path, objective: str, stage
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         saved = run_dir / TRIALS_DIR / result_name(stage, tier, t.number)
         if saved.is_file():
-            record(study, optuna.Trial(study, t._trial_id), json.loads(saved.read_text()), objective)
+            record(study, optuna.Trial(study, t._trial_id), read_result(saved), objective)
             logger.info("trial %d of %s finished after its driver stopped: recorded its saved result", t.number, tier)
         else:
             study.tell(t.number, state=optuna.trial.TrialState.FAIL)
@@ -91,8 +95,10 @@ def _state(run_dir: Path, space_file: str | None, resume: bool) -> tuple[SearchS
             raise UserError(
                 f"{run_dir}: not a tuning run (no {TUNE_FILE}); start one with `raytrm tune --out {run_dir}`"
             )
-        state = cfg.read_yaml(path)
-        return space_from_dict(state["space"], str(path)), state
+        state = load_state(run_dir)
+        space = run_space(run_dir, state)
+        check_kept(run_dir)
+        return space, state
     if path.exists():
         raise UserError(f"{run_dir}: already holds a tuning run; continue it with `raytrm tune --resume {run_dir}`")
     space = load_space(space_file)

@@ -15,7 +15,7 @@ from typing import Any
 
 from raytrm import config as cfg
 from raytrm.tune import staged
-from raytrm.tune.layout import VERIFY_DIR, read_state, run_space, stage_setup, trial_resources
+from raytrm.tune.layout import VERIFY_DIR, read_result, read_state, run_space, stage_setup, trial_resources
 from raytrm.tune.studies import ranked, rate_path, reached_horizon, speed_options, staged_candidates
 
 logger = logging.getLogger(__name__)
@@ -120,4 +120,4 @@ def _keep(run_dir: Path, tier: str, result: dict[str, Any], trial: int) -> dict[
 def verification(run_dir: Path, tier: str) -> dict[str, Any] | None:
     """The tier's kept verification re-run (its result and the trial it re-ran); None where none ran."""
     path = run_dir / VERIFY_DIR / f"{tier}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_result(path) if path.is_file() else None

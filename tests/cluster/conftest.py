@@ -1,4 +1,4 @@
-"""Two real hosts on this machine, made of Linux namespaces (raytrm.bench.hosts), for the cluster commands' tests.
+"""Two real hosts on this machine, made of Linux namespaces (tests.support.hosts), for the cluster commands' tests.
 
 Root only: elsewhere the tests are skipped with the reason.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytrm.bench.hosts import Pair, cannot_make_hosts
+from tests.support.hosts import Pair, cannot_make_hosts
 
 pytestmark = pytest.mark.cluster
 

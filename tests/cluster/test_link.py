@@ -1,5 +1,6 @@
 """The rig's link rate on two real hosts: a shaped link carries its rate in both directions, and
-`raytrm bench distributed --parts link` runs end to end on a pair it makes itself, at one small configuration."""
+`python -m benchmarks distributed --parts link` runs end to end on a pair it makes itself, at one small
+configuration."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import subprocess
 
 import pytest
 
-from raytrm.bench import link
-from raytrm.cli import main
+from benchmarks import link
+from benchmarks.cli import main
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -37,14 +38,14 @@ def namespaces() -> set[str]:
 
 def test_the_link_part_trains_on_its_own_pair_and_removes_it(pair, tmp_path, monkeypatch, capsys):
     """A small TRM (hidden 64: 0.4M parameters) at 20 Mbit/s, exact sync, on a pair the bench makes and removes; the
-    pair fixture only proves this machine can make hosts (the ratios against unshaped runs: tests/unit/bench)."""
+    pair fixture only proves this machine can make hosts (the ratios against unshaped runs: tests/benchmarks)."""
     before = namespaces()
     small = functools.partial(link.trm_model, hidden=64, batch=16, train_puzzles=200, augment=0)
     monkeypatch.setattr(link, "trm_model", small)
     out = tmp_path / "link.json"
     args = ["--link-models", "trm", "--link-rates", "20mbit", "--sync-modes", "exact", "--link-steps", "6"]
     args += ["--json", str(out)]
-    assert main(["bench", "distributed", "--parts", "link", *args]) == 0
+    assert main(["distributed", "--parts", "link", *args]) == 0
     assert namespaces() == before  # the bench's own hosts are gone with their processes
     printed = capsys.readouterr().out
     assert "trm: TRM mlp_t hidden 64, global batch 16" in printed and "96 samples" in printed

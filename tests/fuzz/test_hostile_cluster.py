@@ -278,7 +278,10 @@ def test_3_a_dashboard_host_that_is_not_this_machines_is_one_line(home):
 @pytest.mark.parametrize("port", ["70000", "65536", "0", "-1", "abc", "", "6379.0", " 80"])
 def test_4_the_heads_port_out_of_range_is_refused_naming_it_and_the_range(home, port):
     line = refused("cluster", "head", f"--port={port}")
-    assert line.endswith(f"argument --port: got {port!r}, expected a port from 1 to 65535"), line
+    assert line == (
+        f"raytrm: error: raytrm cluster head: --port: got {port!r}, expected a port from 1 to 65535 "
+        "(see `raytrm cluster head --help`)"
+    ), line
 
 
 @pytest.mark.parametrize(

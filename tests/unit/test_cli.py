@@ -50,6 +50,17 @@ def test_validate_reads_a_search_space(capsys):
     assert "valid search space, 2 parameters" in out and "horizon:\n  minutes: 1.0" in out
 
 
+def test_validate_takes_a_shipped_space_or_table_by_name(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "quick"]) == 0
+    assert capsys.readouterr().out.startswith(f"# {spaces_dir() / 'quick.yaml'}: valid search space, 2 parameters")
+    assert main(["validate", "tiers"]) == 0
+    assert capsys.readouterr().out.startswith(f"{spaces_dir() / 'tiers.yaml'}: valid tier table")
+    (tmp_path / "quick").write_text("training:\n  steps: 3\n")  # a file of that name here is the one meant
+    assert main(["validate", "quick"]) == 0
+    assert capsys.readouterr().out.startswith("# quick: valid training config")
+
+
 @pytest.mark.parametrize(
     "text, piece",
     [
@@ -188,3 +199,92 @@ def test_resume_with_the_starting_config_takes_only_its_length(tiny, tmp_path, c
     assert main(flagged) == 2
     err = capsys.readouterr().err
     assert f"model.hidden_size is 32 there, 64 asked: drop --config {longer} and those flags (the run keeps" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["train", "--steps", "abc"], "--steps: 'abc' is not an integer; give an integer (optimizer steps to run)"),
+        (["train", "--lr", "x"], "--lr: 'x' is not a number; give a number (peak learning rate)"),
+        (["tune", "--trials", "1.5"], "--trials: '1.5' is not an integer; give an integer (trials per tier)"),
+        (["data", "sudoku", "--out", "d", "--count", "many"], "--count: 'many' is not an integer; give an integer"),
+        (
+            ["train", "--stepz", "3"],
+            "raytrm train: unknown option --stepz; did you mean --steps? (see `raytrm train --help`)",
+        ),
+        (["report", "r", "--outt", "x"], "raytrm report: unknown option --outt; did you mean --out?"),
+        (
+            ["validate", "a.yaml", "b.yaml"],
+            "raytrm validate: unexpected argument 'b.yaml' (see `raytrm validate --help`)",
+        ),
+        (["validate"], "raytrm validate: missing file (see `raytrm validate --help`)"),
+        (["train", "--steps"], "raytrm train: --steps: expected a value after it (see `raytrm train --help`)"),
+        (["tran"], "raytrm: COMMAND: 'tran' is not a raytrm command; did you mean train? (see `raytrm --help`)"),
+        ([], "raytrm: missing COMMAND (see `raytrm --help`)"),
+        (
+            ["cluster", "jion"],
+            "raytrm cluster: ACTION: 'jion' is not one of head, join, status, stop; did you mean join?",
+        ),
+        (["cluster", "join", "h", "--object-store-mb", "lots"], "--object-store-mb: 'lots' is not an integer"),
+        (["data", "sodoku", "--out", "d"], "raytrm data: kind: 'sodoku' is not one of sudoku, maze; did you mean"),
+        (["--bogus", "probe"], "raytrm: unknown option --bogus (see `raytrm --help`)"),
+    ],
+)
+def test_a_bad_argument_is_one_line_and_exit_2(capsys, argv, line):
+    """Every subcommand's parser answers a bad argument with raytrm's one line, never argparse's usage block."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"raytrm: error: {line}"), captured.err
+    assert "usage:" not in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["cluster", "join", "--help"]])
+def test_help_still_prints_and_exits_0(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: raytrm {' '.join(argv[:-1])}".rstrip())
+
+
+def test_the_installed_command_answers_a_bad_number_in_one_line():
+    bad = subprocess.run([_raytrm(), "train", "--steps", "abc"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == "raytrm: error: --steps: 'abc' is not an integer; give an integer (optimizer steps to run)\n"
+
+
+def test_report_export_and_data_never_write_into_a_run(tiny, tmp_path, capsys):
+    """The other writing commands take the same guard: a run's checkpoints, its own files and its directory are
+    refused in one line, and the run is left as it was."""
+    from raytrm.config import write_yaml
+
+    config = write_yaml(tiny(), tmp_path / "tiny.yaml")
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(config), "--steps", "2", "--out", str(run), "--quiet"]) == 0
+    capsys.readouterr()
+    before = _files(run)
+    for argv, piece in [
+        (["report", str(run), "--out", str(run / "checkpoints")], "own checkpoints"),
+        (["data", "sudoku", "--out", str(run), "--count", "4"], "a run directory is there"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("raytrm: error: --out ") and piece in err[0], err
+    from raytrm.errors import UserError
+    from raytrm.tune.profiles import _check_out  # export's guard of its --out, before any tuning run is read
+
+    with pytest.raises(UserError, match=r"own config\.yaml"):
+        _check_out(run / "config.yaml")
+    assert _files(run) == before
+
+
+def test_a_quiet_run_alone_prints_its_summary_and_nothing_else(tiny, tmp_path):
+    """--quiet on one machine: no progress line and no INFO lines on the terminal, the summary on stdout."""
+    from raytrm.config import write_yaml
+
+    config = write_yaml(tiny(), tmp_path / "tiny.yaml")
+    argv = [_raytrm(), "train", "--config", str(config), "--steps", "2", "--out", str(tmp_path / "run"), "--quiet"]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert done.stdout.startswith("trained 2 steps") and len(done.stdout.strip().splitlines()) == 4

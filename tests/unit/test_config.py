@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from raytrm import config
+from raytrm import __version__, config
 from raytrm.config import ExperimentConfig, ModelConfig, Profile, TrainConfig
 from raytrm.errors import ConfigError, UserError
 
@@ -119,8 +119,20 @@ def test_profile_needs_its_schema_version(tmp_path):
     with pytest.raises(ConfigError, match=r"raytrm_profile.*raytrm export"):
         config.load_profile(path)
     path.write_text("raytrm_profile: 2\ntier: x\n")
-    with pytest.raises(ConfigError, match="raytrm_profile: got 2, expected one of 1"):
+    with pytest.raises(UserError) as newer:
         config.load_profile(path)
+    assert str(newer.value) == (
+        f"{path}: raytrm_profile 2 is newer than this raytrm ({__version__}) reads (1); upgrade raytrm (`pip install "
+        "-U raytrm`), or export the profile again with this version (`raytrm export RUN_DIR`)"
+    )
+    for version in ("'1'", "0", "-3", "1.0", "true", "null"):
+        path.write_text(f"raytrm_profile: {version}\ntier: x\n")
+        with pytest.raises(
+            ConfigError,
+            match=r"raytrm_profile: got .*, expected a schema version, a whole number >= 1 "
+            r"\(this raytrm reads 1\); fix: set raytrm_profile: 1, or export the profile again",
+        ):
+            config.load_profile(path)
 
 
 def test_unknown_profile_field_is_an_error(tmp_path):

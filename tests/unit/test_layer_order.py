@@ -1,5 +1,5 @@
 """The package's layers: every import, those inside functions too, runs down the order docs/architecture.md states,
-and no modules import each other in a circle."""
+no modules import each other in a circle, and nothing in the package imports the checkout's benchmarks or tests."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "raytrm"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-#: The layer line of docs/architecture.md: `cli > bench, report > ... > constants, errors`.
+#: The layer line of docs/architecture.md: `cli > report > ... > constants, errors`.
 ORDER_LINE = re.compile(r"^\s*(cli\s*>.*)$", re.MULTILINE)
 
 
@@ -99,8 +99,8 @@ def test_imports_run_down_the_layers() -> None:
     assert not upward, "imports that run up or across the layers:\n" + "\n".join(upward)
 
 
-def _ray_imports(path: Path) -> Iterator[int]:
-    """Lines that import Ray (a module of the `ray` package), anywhere in the file."""
+def _absolute_imports(path: Path) -> Iterator[tuple[str, int]]:
+    """(imported module, line) of each absolute import in the file, those inside functions too."""
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -108,8 +108,8 @@ def _ray_imports(path: Path) -> Iterator[int]:
             names = [node.module or ""]
         else:
             continue
-        if any(name == "ray" or name.startswith("ray.") for name in names):
-            yield node.lineno
+        for name in names:
+            yield name, node.lineno
 
 
 def test_nothing_below_distributed_imports_ray() -> None:
@@ -119,9 +119,21 @@ def test_nothing_below_distributed_imports_ray() -> None:
         f"{module}:{line}"
         for module, path in MODULES.items()
         if _layer_of(module) in below
-        for line in _ray_imports(path)
+        for name, line in _absolute_imports(path)
+        if name.split(".")[0] == "ray"
     ]
     assert not found, "modules below distributed/ that import Ray:\n" + "\n".join(found)
+
+
+def test_the_package_never_imports_the_benchmarks_or_the_tests() -> None:
+    """They stay in the checkout: a wheel has neither, so an import of them would fail only once installed."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in MODULES.values()
+        for name, line in _absolute_imports(path)
+        if name.split(".")[0] in ("benchmarks", "tests")
+    ]
+    assert not found, "the package imports what the wheel does not ship:\n" + "\n".join(found)
 
 
 def test_no_import_circle() -> None:

@@ -51,7 +51,7 @@ def test_the_commands_that_connect_leave_ray_unimported_until_they_do():
         "raytrm.tune.tuner",
         "raytrm.distributed.ray_train",
         "raytrm.distributed.cluster_commands",
-        "raytrm.bench.distributed",
+        "benchmarks.distributed",
     ]
     probe = f"import sys, {', '.join(drivers)}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

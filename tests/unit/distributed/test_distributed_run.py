@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.distributed import slow_down
 from raytrm import config as cfg
-from raytrm.bench.distributed import slow_down
 from raytrm.distributed.launch import spawn
 from raytrm.sync.process_group import ProcessGroupSync
 from raytrm.train import checkpoint as ckpt

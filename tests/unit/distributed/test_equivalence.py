@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from raytrm.distributed.equivalence import compare, train_alone, train_steps
 from raytrm.distributed.launch import spawn
+from tests.support.equivalence import compare, train_alone, train_steps
 
 STEPS = 4
 # Largest gradient difference relative to the tensor's largest entry: fp32 summation order (workers add partial sums

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrm.distributed.equivalence import compare, record_steps, train_alone
 from raytrm.distributed.launch import spawn
 from raytrm.sync.process_group import ProcessGroupSync
 from raytrm.train.trainer import Trainer
+from tests.support.equivalence import compare, record_steps, train_alone
 
 pytestmark = pytest.mark.slow  # worker processes
 

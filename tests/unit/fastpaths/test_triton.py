@@ -509,7 +509,7 @@ for positions, columns in ((97, 300), (30, 70)):
     with torch.no_grad():
         y = kernels.mix_positions_norm(x, w_gate_up, w_down, 1e-5)
     assert_within_a_rounding(y, exact_mix(x, w_gate_up, w_down, 1e-5))
-    # torch's FLOP counter (raytrm bench's) counts the kernel's products as it counts the plain formulas'.
+    # torch's FLOP counter (the benchmarks') counts the kernel's products as it counts the plain formulas'.
     counts = []
     for mix in (lambda: kernels.mix_positions_norm(x, w_gate_up, w_down, 1e-5), lambda: mlp.forward_columns(x)):
         with torch.no_grad(), FlopCounterMode(display=False) as counter:

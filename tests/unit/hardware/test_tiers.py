@@ -143,7 +143,9 @@ BAD_TIERS = {
         "raytrm_tiers: 1\ntiers:\n  - {name: a, memory_budget_mb: 10, defaults: {threads: all}}\n",
         "tiers[0].defaults.threads: got 'all', expected a number >= 1 or 'performance_cores'",
     ),
-    "wrong version": ("raytrm_tiers: 7\ntiers: []\n", "raytrm_tiers: got 7, expected one of 1"),
+    "newer version": ("raytrm_tiers: 7\ntiers: []\n", "raytrm_tiers 7 is newer than this raytrm"),
+    "version not a number": ("raytrm_tiers: one\ntiers: []\n", "raytrm_tiers: got 'one', expected a schema version"),
+    "version 0": ("raytrm_tiers: 0\ntiers: []\n", "raytrm_tiers: got 0, expected a schema version, a whole number"),
 }
 
 

@@ -309,3 +309,37 @@ def test_a_tuning_run_gets_the_study_plots_and_the_tier_table(tmp_path, capsys):
     assert_png(tmp_path / "report" / f"{tier}-history.png")
     assert main(["report", str(tmp_path)]) == 0
     assert f"tier {tier}" in capsys.readouterr().out
+
+
+def test_an_out_that_is_an_existing_file_is_refused_and_left_as_it_was(write_run, tmp_path, capsys):
+    run = write_run([line(s) for s in range(1, 4)])
+    for target in (run / "config.yaml", run / "metrics.jsonl"):
+        before = target.read_bytes()
+        assert main(["report", str(run), "--out", str(target)]) == 2
+        assert one_error_line(capsys) == (
+            f"raytrm: error: --out {target}: an existing file; expected a directory for the report's plots and text "
+            "(default RUN_DIR/report); fix: give --out a new or an existing directory"
+        )
+        assert target.read_bytes() == before
+    assert main(["report", str(run), "--out", str(run / "config.yaml" / "report")]) == 2
+    assert f"--out {run}/config.yaml/report: under {run}/config.yaml, an existing file" in one_error_line(capsys)
+    assert not (run / "report").exists()
+
+
+def test_an_out_that_cannot_be_made_is_one_line(write_run, tmp_path, capsys, monkeypatch):
+    import pathlib
+
+    run, real = write_run([line(s) for s in range(1, 4)]), pathlib.Path.mkdir
+    target = tmp_path / "locked" / "report"
+
+    def mkdir(self, *args, **kwargs):  # as a directory the user may not write to answers, even to root
+        if self == target:
+            raise PermissionError(13, "Permission denied")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+    assert main(["report", str(run), "--out", str(target)]) == 2
+    assert one_error_line(capsys) == (
+        f"raytrm: error: --out {target}: cannot make the report directory (Permission denied); fix: give --out a "
+        "writable directory"
+    )

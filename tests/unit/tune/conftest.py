@@ -54,6 +54,10 @@ def _state(run: Path, space: Any, tiers: list[str], studies: dict[str, str], **m
 @pytest.fixture
 def plain_run(tmp_path: Path) -> Path:
     """One study for tier AIR, no horizon: four trials, #3 the best, #2 the runner-up, #3 verified."""
+    return make_plain_run(tmp_path)
+
+
+def make_plain_run(tmp_path: Path) -> Path:
     run = tmp_path / "plain"
     run.mkdir()
     space = space_from_dict({"raytrm_space": 1, "name": "plain", "base": BASE, "params": PARAMS}, "<test>")
@@ -79,6 +83,21 @@ def curve(qualities: list[float], rate: float) -> list[dict[str, Any]]:
 def staged_run(tmp_path: Path) -> Path:
     """A staged run over AIR and STUDIO, horizon 64 samples: both learning configs trained on STUDIO, timed on AIR
     (config 1 with AIR's second speed setting there); STUDIO's pick verified."""
+    return make_staged_run(tmp_path)
+
+
+def copy_run(template: Path, tmp_path: Path) -> Path:
+    """A copy of a run directory made once, with tune.yaml's storage pointing at the copy's own study.db."""
+    import shutil
+
+    run = Path(shutil.copytree(template, tmp_path / template.name))
+    state = cfg.read_yaml(run / layout.TUNE_FILE)
+    state["storage"] = layout.storage_url(run)
+    cfg.write_yaml(state, run / layout.TUNE_FILE)
+    return run
+
+
+def make_staged_run(tmp_path: Path) -> Path:
     doc = {"raytrm_space": 1, "name": "tiny", "base": BASE, "params": PARAMS, "horizon": {"samples": 64}}
     space = space_from_dict(doc, "<test>")
     run = tmp_path / "staged"

@@ -99,3 +99,25 @@ def test_a_cluster_run_records_the_link_and_the_sync_mode_chosen_from_it(staged_
     profile = build_profile(staged_run, AIR)
     training = profile.training
     assert (training.sync_mode, training.sync_every, training.sync_overlap) == ("exact", None, None)
+
+
+def test_export_out_never_replaces_a_file_that_is_not_a_profile(plain_run, tmp_path, capsys):
+    from raytrm.cli import main
+
+    precious = tmp_path / "notes.yaml"
+    precious.write_text("my: notes\n")
+    for target in (precious, plain_run / layout.TUNE_FILE, plain_run / layout.STUDY_DB):
+        before = target.read_bytes()
+        assert main(["export", str(plain_run), "--tier", AIR, "--out", str(target)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"raytrm: error: --out {target}: an existing file that is not a raytrm profile; refusing to replace it; "
+            "fix: give --out a new file name (or an earlier profile, to replace it)"
+        ]
+        assert target.read_bytes() == before
+    assert main(["export", str(plain_run), "--tier", AIR, "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path}: a directory; expected the profile's file name" in capsys.readouterr().err
+    profile = tmp_path / "p.yaml"
+    assert main(["export", str(plain_run), "--tier", AIR, "--out", str(profile)]) == 0
+    assert main(["export", str(plain_run), "--tier", AIR, "--out", str(profile)]) == 0  # an export again replaces it
+    assert cfg.load_profile(profile).tier == AIR

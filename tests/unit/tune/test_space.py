@@ -60,9 +60,13 @@ def test_build_experiment_keeps_the_global_batch():
         ({"training.steps": {"type": "int", "low": 1, "high": 9}}, "the budget section sets the run length"),
         (
             {"training.micro_batch_size": {"type": "int", "low": 8, "high": 32}},
-            "training.micro_batch_size=9', expected values that build a valid experiment",
+            "params.training.micro_batch_size: got 9, expected values that build a valid experiment "
+            "(training.micro_batch_size: expected micro_batch_size x grad_accum_steps (3) = global_batch_size (32))",
         ),
-        ({"model.H_cycles": {"type": "int", "low": 0, "high": 2}}, "model.H_cycles=0"),
+        (
+            {"model.H_cycles": {"type": "int", "low": 0, "high": 2}},
+            "params.model.H_cycles: got 0, expected values that build a valid experiment",
+        ),
         ({"training.lr": {"type": "log", "low": 0.0, "high": 0.1}}, "low > 0 and no step for a log scale"),
         ({"training.lr": {"type": "float", "low": 0.1, "hgh": 0.2}}, "hgh: unknown field; did you mean 'high'?"),
     ],
@@ -113,3 +117,117 @@ def test_horizon_is_minutes_or_samples_not_both():
     assert space_from_dict({**base, "horizon": {"samples": 5000}}, "<t>").horizon.samples == 5000
     with pytest.raises(ConfigError, match=r"<test>: horizon: .*expected one of minutes or samples"):
         space_from_dict({**base, "horizon": {"minutes": 3, "samples": 10}}, "<test>")
+
+
+@pytest.mark.parametrize(
+    ("base", "params", "piece"),
+    [
+        (
+            {"training": {"global_batch_size": 32, "sync_mode": "local"}},
+            {
+                "training.sync_every": {"type": "categorical", "choices": [2, 4, 8]},
+                "training.sync_overlap": {"type": "int", "low": 0, "high": 3},
+                "model.L_cycles": {"type": "int", "low": 1, "high": 3},
+            },
+            "params: got {'training.sync_every': 2, 'training.sync_overlap': 2}, expected values that build a "
+            "valid "
+            "experiment (training.sync_overlap: expected fewer than sync_every (2) steps",
+        ),
+        (
+            {
+                "model": {"variant": "attention", "hidden_size": 96, "num_heads": 4},
+                "training": {"global_batch_size": 48},
+            },
+            {
+                "model.hidden_size": {"type": "categorical", "choices": [64, 96, 128]},
+                "model.num_heads": {"type": "categorical", "choices": [2, 3, 4]},
+                "training.micro_batch_size": {"type": "categorical", "choices": [16, 24, 48]},
+            },
+            "params: got {'model.hidden_size': 64, 'model.num_heads': 3}, expected values that build a valid "
+            "experiment "
+            "(model.num_heads: expected a divisor of hidden_size 64)",
+        ),
+        (
+            {"training": {"global_batch_size": 32}},
+            {
+                "training.global_batch_size": {"type": "categorical", "choices": [32, 48]},
+                "training.micro_batch_size": {"type": "categorical", "choices": [16, 32]},
+            },
+            "params: got {'training.global_batch_size': 48, 'training.micro_batch_size': 32}, expected values that "
+            "build a valid experiment (training.micro_batch_size: expected micro_batch_size x grad_accum_steps",
+        ),
+        (
+            {"training": {"global_batch_size": 32, "sync_mode": "local", "sync_every": 4}},
+            {"training.sync_overlap": {"type": "int", "low": 0, "high": 500}},
+            "params.training.sync_overlap: got 500, expected values that build a valid "
+            "experiment (training.sync_overlap: expected fewer than sync_every (4) steps",
+        ),
+        (
+            {"training": {"global_batch_size": 32}},
+            {
+                "training.sync_mode": {"type": "categorical", "choices": ["exact", "local"]},
+                "training.sync_every": {"type": "int", "low": 2, "high": 8},
+            },
+            "params: got {'training.sync_every': 2, 'training.sync_mode': 'exact'}, expected values that build a "
+            "valid "
+            "experiment (training.sync_every: expected unset with sync_mode exact",
+        ),
+    ],
+    ids=[
+        "overlap-not-below-every",
+        "heads-not-dividing-width",
+        "micro-not-dividing-a-global",
+        "long-range-end",
+        "round-length-without-rounds",
+    ],
+)
+def test_a_point_that_breaks_a_rule_across_fields_is_refused_naming_its_values(tmp_path, base, params, piece):
+    """A point a trial can draw that builds no valid experiment fails `raytrm validate`, not the trial."""
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({"raytrm_space": 1, "base": base, "params": params}))
+    code = main(["validate", str(path)])
+    with pytest.raises(ConfigError) as refused:
+        load_space(path)
+    assert code == 2
+    assert str(refused.value).startswith(f"{path}: {piece}"), str(refused.value)
+    assert "fix: " in str(refused.value)
+
+
+def test_a_large_space_is_checked_pair_by_pair(tmp_path, monkeypatch):
+    """Past MAX_CHECKED_POINTS the pairs of parameters are checked at their points, the others at the base's."""
+    from raytrm.tune import space as space_module
+
+    monkeypatch.setattr(space_module, "MAX_CHECKED_POINTS", 4)
+    params = {
+        "training.sync_every": {"type": "categorical", "choices": [4, 8]},
+        "model.L_cycles": {"type": "int", "low": 1, "high": 3},
+        "training.sync_overlap": {"type": "categorical", "choices": [0, 6]},
+    }
+    base = {"training": {"global_batch_size": 32, "sync_mode": "local"}}
+    with pytest.raises(ConfigError, match=r"got \{'training.sync_every': 4, 'training.sync_overlap': 6\}"):
+        space_from_dict({"raytrm_space": 1, "base": base, "params": params}, "<test>")
+    params["training.sync_overlap"]["choices"] = [0, 3]
+    assert space_from_dict({"raytrm_space": 1, "base": base, "params": params}, "<test>").parsed
+
+
+def test_a_start_point_that_breaks_a_rule_names_itself(tmp_path):
+    path = write(tmp_path, start_with=[{"training.micro_batch_size": 16}, {"training.micro_batch_size": 12}])
+    with pytest.raises(ConfigError, match=r"start_with\[1\]: got \{'training.micro_batch_size': 12\}, expected values"):
+        load_space(path)
+
+
+@pytest.mark.parametrize(
+    ("version", "piece"),
+    [
+        (2, "raytrm_space 2 is newer than this raytrm"),
+        ("one", "raytrm_space: got 'one', expected a schema version, a whole number >= 1"),
+        (0, "raytrm_space: got 0, expected a schema version"),
+    ],
+)
+def test_a_space_of_another_version_says_what_to_do(tmp_path, capsys, version, piece):
+    path = write(tmp_path, raytrm_space=version)
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"raytrm: error: {path}: {piece}"), err
+    with pytest.raises(UserError, match=piece):
+        space_from_dict(yaml.safe_load(path.read_text()), "<test>")

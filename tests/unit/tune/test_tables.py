@@ -70,3 +70,13 @@ def test_a_trial_stopped_as_not_learning_is_counted_and_never_picked(plain_run):
     assert lines[1] == "  best      #3: micro_batch_size=8 L_cycles=2"
     line = trial_line({**stuck, "tier": AIR, "trial_number": 4, "params": params}, "quality")
     assert line.startswith(f"[{AIR} #4] NOT LEARNING quality=0.9") and line.endswith(f"| {reason}")
+
+
+def test_a_verification_that_measured_nothing_shows_n_a(plain_run):
+    import json
+
+    from raytrm.tune import layout
+
+    verified = {"trial": 3, "status": "failed", "samples_per_sec": None, "quality": None}
+    (plain_run / layout.VERIFY_DIR / f"{AIR}.json").write_text(json.dumps(verified))
+    assert format_table(plain_run).splitlines()[-1] == "  verified : samples/s n/a  peak n/a MiB  quality n/a  (failed)"

@@ -1,0 +1,373 @@
+"""`python -m benchmarks WHAT [flags]`: one subcommand per benchmark, each with only the flags it reads.
+
+`build_parser` adds each subcommand from its entry in COMMANDS (help, flags, runner); a runner prints its table and
+returns the rows for --json, which `main` writes with the date, the machine and the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from raytrm.constants import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV
+from raytrm.errors import UserError
+
+PROG = "python -m benchmarks"
+COMPILE_MODES = ("off", "on", "cudagraphs", "auto")
+
+
+# -- flags shared by several benchmarks --------------------------------------------------------------------------
+
+
+def _widths(p: argparse.ArgumentParser, default: list[int]) -> None:
+    p.add_argument(
+        "--hidden", nargs="+", type=int, default=default, help=f"widths (default: {' '.join(map(str, default))})"
+    )
+
+
+def _batch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", type=int, default=16, help="global batch (one micro-batch)")
+
+
+def _threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def _device(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+    p.add_argument("--device", default="auto")
+    if dtype:
+        p.add_argument("--dtype", default="auto")
+
+
+def _repeats(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per row; the median is reported")
+
+
+def _compile(p: argparse.ArgumentParser, text: str) -> None:
+    p.add_argument("--compile", nargs="?", const="on", default=None, choices=COMPILE_MODES, help=text)
+
+
+STEP_COMPILE = (
+    "compile raytrm's step (training.compile; cudagraphs adds CUDA graphs; auto is what training does by default: "
+    "eager on a CPU) and, where raytrm's step compiles, the reference's model (torch.compile, as TRM's pretrain.py "
+    "and nanoGPT's compile=True do); default: both eager"
+)
+
+
+# -- each benchmark: its flags and its runner --------------------------------------------------------------------
+
+
+def trm_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--variants", nargs="+", default=["mlp_t", "attention"], choices=("mlp_t", "attention"))
+    _widths(p, [128, 256, 512])
+    _batch(p)
+    _threads(p)
+    _device(p)
+    _repeats(p)
+    _compile(p, STEP_COMPILE)
+    p.add_argument(
+        "--reference",
+        metavar="DIR",
+        help="a checkout of the TRM reference (SamsungSAILMontreal/TinyRecursiveModels): add its training step's row"
+        " beside each raytrm row, measured in the same run",
+    )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="on a CPU: profile one step of each row and show where its time goes (products by shape and their "
+        "rate, attention, the rest) and the ratio raytrm would reach were its time outside products zero",
+    )
+
+
+def run_trm(args: argparse.Namespace, work: Path) -> object:
+    from benchmarks import breakdown
+    from benchmarks.trm import as_json, bench_trm, format_rows
+
+    breakdowns: list[breakdown.Breakdown] | None = [] if args.breakdown else None
+    rows = bench_trm(
+        args.variants,
+        args.hidden,
+        args.batch,
+        args.threads,
+        args.device,
+        work,
+        repeats=args.repeats,
+        dtype=args.dtype,
+        reference=Path(args.reference) if args.reference else None,
+        compile_mode=args.compile or "off",
+        breakdowns=breakdowns,
+    )
+    print(format_rows(rows))
+    if breakdowns is None:
+        return as_json(rows)
+    print(breakdown.format_breakdowns(breakdowns))
+    return {"rows": as_json(rows), "breakdowns": breakdown.as_json(breakdowns)}
+
+
+def transformer_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seq-lens", nargs="+", type=int, default=[128, 256, 512], help="sequence lengths to time")
+    _widths(p, [256, 512])
+    _batch(p)
+    _threads(p)
+    _device(p)
+    _repeats(p)
+    _compile(p, STEP_COMPILE)
+    p.add_argument(
+        "--no-reference",
+        dest="nanogpt",
+        action="store_false",
+        help="time raytrm alone, without the nanoGPT-style reference row beside each raytrm row",
+    )
+
+
+def run_transformer(args: argparse.Namespace, work: Path) -> object:
+    from benchmarks import transformer
+
+    rows = transformer.bench_transformer(
+        args.seq_lens,
+        args.hidden,
+        args.batch,
+        args.threads,
+        args.device,
+        work,
+        args.repeats,
+        args.dtype,
+        reference=args.nanogpt,
+        compile_mode=args.compile or "off",
+    )
+    print(transformer.format_rows(rows))
+    return transformer.as_json(rows)
+
+
+def mix_flags(p: argparse.ArgumentParser) -> None:
+    _widths(p, [128, 256, 512])
+    _batch(p)
+    _device(p)
+    _repeats(p)
+
+
+def run_mix(args: argparse.Namespace, work: Path) -> object:
+    from benchmarks import mix
+
+    rows = [
+        row for width in args.hidden for row in mix.bench_mix(args.batch, width, args.device, args.dtype, args.repeats)
+    ]
+    print(mix.format_rows(rows))
+    return mix.as_json(rows)
+
+
+def memory_flags(p: argparse.ArgumentParser) -> None:
+    _widths(p, [128, 256, 512])
+    p.add_argument(
+        "--checks", nargs="+", type=int, default=[24, 48], help="micro-batches to predict (divisors of the largest)"
+    )
+    _threads(p)
+
+
+def run_memory(args: argparse.Namespace, work: Path) -> object:
+    from benchmarks import memory
+
+    rows, overhead = memory.bench_memory(args.hidden, args.checks, args.threads, work)
+    print(memory.format_rows(rows, overhead))
+    return memory.as_json(rows, overhead)
+
+
+def distributed_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        default=["pair", "ray", "sync"],
+        choices=("pair", "ray", "sync", "overlap", "scaling", "modes", "link"),
+        help="which measurements (scaling wants --device cuda and --workers 1 2; overlap runs max(--workers, 2) "
+        "workers; modes: each sync mode's quality at equal samples, --repeats training seeds; link, root on Linux "
+        "only: two hosts made of network namespaces train across a link it shapes, see --link-rates)",
+    )
+    _batch(p)
+    _device(p, dtype=False)
+    _repeats(p)
+    _compile(p, "the scaling rows' training.compile; default auto, as training")
+    p.add_argument("--slowdown", type=float, default=2.0, help="pair: how much slower the slow worker is")
+    p.add_argument("--workers", nargs="+", type=int, default=[1, 2], help="worker counts of the scaling rows")
+    p.add_argument("--every", nargs="+", type=int, default=None, help="modes: H of the local rounds (default 5 20 50)")
+    p.add_argument("--samples", type=int, default=None, help="modes: samples each run trains (default 16000)")
+    p.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="modes: the first training seed (seeds N .. N + --repeats - 1), to run seeds side by side in separate "
+        "processes",
+    )
+    p.add_argument(
+        "--link-rates",
+        nargs="+",
+        default=["unshaped", "1gbit", "100mbit", "20mbit"],
+        metavar="RATE",
+        help="link: the link's rates (unshaped, or tc's notation: 1gbit, 100mbit, 20mbit)",
+    )
+    p.add_argument(
+        "--sync-modes",
+        nargs="+",
+        metavar="MODE",
+        help="link: sync modes to run (exact, compressed, local, local:H, auto; default: every mode this build has)",
+    )
+    p.add_argument(
+        "--link-models",
+        nargs="+",
+        default=["trm", "lm"],
+        choices=("trm", "lm"),
+        help="link: TRM mlp_t hidden 256 at global batch 64; the byte-level LM (20.6M parameters)",
+    )
+    p.add_argument(
+        "--link-steps",
+        nargs="+",
+        type=int,
+        metavar="N",
+        help="link: steps of each run, per model in --link-models order (default 60 for TRM, 20 for the LM); the "
+        "quality is read after them, and a local mode's round should fit several times",
+    )
+    p.add_argument(
+        "--link-rounds", type=int, default=1, help="link: runs of every configuration, rates alternated; medians"
+    )
+
+
+def run_distributed(args: argparse.Namespace, work: Path) -> object:
+    from benchmarks import distributed, link, modes
+
+    if "link" in args.parts:
+        link.refuse_unless_possible()  # before anything else runs: the pair needs root
+    device = args.device if args.device != "auto" else "cpu"
+    parts = [part for part in args.parts if part not in ("modes", "link")]
+    rows = []
+    if parts:
+        compile_mode = args.compile or "auto"  # the scaling rows compile as training does
+        rows = distributed.run(parts, device, args.batch, args.slowdown, args.repeats, args.workers, work, compile_mode)
+    if "modes" in args.parts:
+        rows += modes.run(work, args.every, args.repeats, args.samples, device, args.first_seed)
+    if rows:
+        print(distributed.format_rows(rows))
+    if "link" not in args.parts:
+        return distributed.as_json(rows)
+    models, steps, rounds = args.link_models, args.link_steps, args.link_rounds
+    shaped = link.run(args.link_rates, args.sync_modes, models, steps, rounds, work / "link")
+    print(shaped.table())
+    return {"rows": distributed.as_json(rows), "link": shaped.to_json()}
+
+
+def tune_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--space", metavar="FILE", help="the space whose grid is measured (default: quick)")
+    p.add_argument("--table", metavar="FILE", help="the measured grid (JSON), written by --measure")
+    p.add_argument("--measure", action="store_true", help="measure the whole grid first (long)")
+    p.add_argument(
+        "--curves",
+        action="store_true",
+        help="learning curves to the space's horizon (default space: horizon), and search methods judged by "
+        "quality at the horizon",
+    )
+    p.add_argument("--seeds", type=int, default=10, help="replay seeds per method")
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="compare this tuned profile with the space's base at the tier's defaults (--repeats each); with "
+        "--curves --table T, rank its learning config among those of its space (--space, default quick) in the "
+        "table, at the profile's horizon",
+    )
+    _repeats(p)
+
+
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[..., object] | None]] = {
+    "trm": (
+        "TRM training samples/s and the fraction of this machine's matmul rate, beside the reference's step",
+        trm_flags,
+        run_trm,
+    ),
+    "transformer": (
+        "byte-level LM training tokens/s and the fraction of the matmul rate, beside a nanoGPT-style reference of "
+        "the same shape",
+        transformer_flags,
+        run_transformer,
+    ),
+    "mix": (
+        "one call of TRM-MLP's position mixing (SwiGLU, residual, norm), each way this device runs it",
+        mix_flags,
+        run_mix,
+    ),
+    "memory": (
+        "the memory model's prediction error and the cost of per-step monitoring",
+        memory_flags,
+        run_memory,
+    ),
+    "tune": (
+        "the tuner's search replayed on measured tables, against random search and a micro-batch probe",
+        tune_flags,
+        None,  # benchmarks.tune.cmd prints and writes its own JSON
+    ),
+    "distributed": (
+        "unequal workers with balanced and equal shares against their solo sum, Ray Train's per-step cost, gradient "
+        "sync per link, scaling over GPUs, sync modes' quality, two hosts training across a shaped link",
+        distributed_flags,
+        run_distributed,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="The measurements behind docs/performance.md; run from the repository root."
+    )
+    sub = parser.add_subparsers(dest="what", metavar="WHAT", required=True)
+    for name, (text, add_flags, _) in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text)
+        add_flags(p)
+        p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    return parser
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run the benchmark args name; with --json, write its rows with the date, the machine and the command."""
+    runner = COMMANDS[args.what][2]
+    if runner is None:
+        from benchmarks import tune
+
+        return tune.cmd(args)
+    with tempfile.TemporaryDirectory(prefix="raytrm-bench-") as work:
+        results = runner(args, Path(work))
+    if args.json:
+        from raytrm.hardware.probe import detect
+
+        hw = detect()
+        doc: dict[str, Any] = {
+            "bench": args.what,
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": f"{hw.chip}, {hw.logical_cpus} CPUs",
+            "command": f"{PROG} " + " ".join(argv),
+            "results": results,
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=2))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: a user error prints one line and exits 2, as raytrm's own commands do."""
+    logging.basicConfig(
+        level=os.environ.get(LOG_LEVEL_ENV, DEFAULT_LOG_LEVEL).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args, argv)
+    except UserError as e:
+        print(f"benchmarks: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("benchmarks: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,144 @@
+"""Text records (JSONL, CSV) checked where they are read: a bad record is one line naming its file, line, field and
+value, never trained on as something else."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raytrm import config as cfg
+from raytrm.cli import main
+from raytrm.data.text import open_text_dataset
+from raytrm.errors import UserError
+
+
+@pytest.fixture(autouse=True)
+def cache_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYTRM_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def data_config(path, task="classify", **data):
+    model = {"name": "transformer", "task": task, "seq_len": 8, "hidden_size": 32, "num_heads": 2}
+    return cfg.from_dict(cfg.ExperimentConfig, {"model": model, "data": {"name": "text", "path": str(path), **data}})
+
+
+def open_split(path, task="classify", **data):
+    e = data_config(path, task, **data)
+    return open_text_dataset(e.data, e.model)
+
+
+GOOD = [{"text": f"document {i}", "label": ["spam", "ham"][i % 2]} for i in range(20)]
+
+
+def jsonl(tmp_path, bad: dict | str, at: int = 3) -> str:
+    """GOOD with record `at` (0-based, so line at + 1) replaced by `bad`."""
+    lines = [json.dumps(r) for r in GOOD]
+    lines[at] = bad if isinstance(bad, str) else json.dumps(bad)
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("record", "task", "piece"),
+    [
+        (
+            {"text": "a"},
+            "classify",
+            "d.jsonl:4: no field 'label' (fields: text); fix: add it, or pass --label-field with the right name",
+        ),
+        (
+            {"text": None, "label": "ham"},
+            "classify",
+            "d.jsonl:4: text: got None, expected the document's text, a non-empty string; fix: fill in or drop the "
+            "record, or pass --text-field naming the field that holds the text",
+        ),
+        ({"text": "", "label": "ham"}, "lm", "d.jsonl:4: text: got '', expected the document's text"),
+        ({"text": 12, "label": "ham"}, "lm", "d.jsonl:4: text: got 12, expected the document's text"),
+        ({"text": ["a"], "label": "ham"}, "lm", "d.jsonl:4: text: got ['a'], expected the document's text"),
+        (
+            {"text": "a", "label": None},
+            "classify",
+            "d.jsonl:4: label: got None, expected the document's class, a non-empty string or an integer; fix: "
+            "label the record or drop it, or pass --label-field naming the field that holds the label",
+        ),
+        ({"text": "a", "label": ""}, "classify", "d.jsonl:4: label: got '', expected the document's class"),
+        ({"text": "a", "label": "\t "}, "classify", "d.jsonl:4: label: got '\\t ', expected the document's class"),
+        ({"text": "a", "label": {"x": 1}}, "classify", "d.jsonl:4: label: got {'x': 1}, expected the document's class"),
+        ({"text": "a", "label": ["ham"]}, "classify", "d.jsonl:4: label: got ['ham'], expected the document's class"),
+        ({"text": "a", "label": 1.0}, "classify", "d.jsonl:4: label: got 1.0, expected the document's class"),
+        ({"text": "a", "label": True}, "classify", "d.jsonl:4: label: got True, expected the document's class"),
+        ("[1, 2]", "lm", "d.jsonl:4: (the record): got [1, 2], expected a JSON object; fix: one JSON object per line"),
+        ("{bad", "lm", "d.jsonl:4: not a JSON object (Expecting property name"),
+        ("[" * 50_000, "lm", "d.jsonl:4: a JSON value nested too deep"),
+    ],
+)
+def test_a_bad_jsonl_record_is_one_line_naming_its_line_and_field(tmp_path, record, task, piece):
+    path = jsonl(tmp_path, record)
+    with pytest.raises(UserError) as refused:
+        open_split(path, task)
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path}/{piece}"), message
+    assert "\n" not in message
+    assert not list((tmp_path / "cache").rglob("tokens.u8"))  # nothing half-built left behind
+
+
+def test_an_integer_label_is_its_decimal_string(tmp_path):
+    records = [{"text": f"doc {i}", "label": i % 2 if i % 4 else str(i % 2)} for i in range(20)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    train, test = open_split(path)
+    assert train.metadata.label_names == ("0", "1") and len(train) + len(test) == 20
+
+
+def test_the_lm_task_reads_no_label(tmp_path):
+    path = jsonl(tmp_path, {"text": "no label here " * 40})
+    train, _ = open_split(path, "lm")
+    assert len(train) > 0
+
+
+@pytest.mark.parametrize(
+    ("rows", "piece"),
+    [
+        ("text,label\na,ham\nb\nc,spam\n", "d.csv:3: 1 cells, the header has 2: no 'label'; fix: fill in the row's"),
+        ("text,label\na,ham\nb,spam,extra\n", "d.csv:3: 3 cells, the header has 2; fix: quote a cell that holds"),
+        ("text,label\na,ham\n,spam\n", "d.csv:3: text: got '', expected the document's text"),
+        ("text,label\na,ham\nb,\n", "d.csv:3: label: got '', expected the document's class"),
+        ('text,label\na,ham\n"b\nc",\n', "d.csv:4: label: got '', expected the document's class"),
+        ("label,txt\nham,a\n", "d.csv: no column 'text' (columns: label, txt); fix: pass --text-field"),
+    ],
+)
+def test_a_bad_csv_row_is_one_line_naming_its_line_and_column(tmp_path, rows, piece):
+    path = tmp_path / "d.csv"
+    path.write_text(rows + "".join(f"doc {i},{['spam', 'ham'][i % 2]}\n" for i in range(20)))
+    with pytest.raises(UserError) as refused:
+        open_split(path)
+    assert str(refused.value).startswith(f"{tmp_path}/{piece}"), str(refused.value)
+
+
+def test_csv_with_a_bom_and_a_long_quoted_document(tmp_path):
+    long = "word " * 40_000  # past the csv module's default field limit (128 KiB)
+    rows = "".join(f'"{long if i == 0 else f"doc {i}"}",{["spam", "ham"][i % 2]}\n' for i in range(20))
+    path = tmp_path / "d.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + ("text,label\n" + rows).encode())
+    train, test = open_split(path)
+    assert train.metadata.label_names == ("ham", "spam") and len(train) + len(test) == 20
+
+
+def test_a_bad_record_through_the_cli_is_one_line_and_exit_2(tmp_path, capsys):
+    path = jsonl(tmp_path, {"text": "a", "label": None})
+    argv = ["train", "--model", "transformer", "--task", "classify", "--data", path, "--steps", "1"]
+    assert main([*argv, "--out", str(tmp_path / "run"), "--seq-len", "8", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"raytrm: error: {path}:4: label: got None"), err
+
+
+def test_a_jsonl_text_may_hold_any_line_separator_but_a_newline(tmp_path):
+    """JSON allows U+2028, U+0085 and the like raw inside a string; only a newline ends a JSONL record."""
+    records = [{"text": f"line\u2028sep\u0085 {i}\r", "label": ["spam", "ham"][i % 2]} for i in range(20)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in records), newline="")
+    train, test = open_split(path)
+    assert len(train) + len(test) == 20
+    assert bytes(train.cache.tokens[: train.cache.offsets[1]]) == "line\u2028sep\u0085 0\r\n".encode()
