@@ -33,10 +33,10 @@ import torch
 from raytrm import config as cfg
 from raytrm.data.build import build_dataset
 from raytrm.distributed.launch import spawn
-from raytrm.distributed.process_group import ProcessGroupSync
 from raytrm.hardware import device as devices
-from raytrm.train.peers import Peers
-from raytrm.train.sync import LocalSync
+from raytrm.sync.contract import LocalSync
+from raytrm.sync.peers import Peers
+from raytrm.sync.process_group import ProcessGroupSync
 from raytrm.train.tasks import TRMTask
 from raytrm.train.trainer import Trainer
 

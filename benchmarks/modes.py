@@ -22,7 +22,7 @@ from typing import Any
 from benchmarks.distributed import Row
 from raytrm import config as cfg
 from raytrm.distributed.launch import spawn
-from raytrm.distributed.process_group import ProcessGroupSync
+from raytrm.sync.process_group import ProcessGroupSync
 from raytrm.train.run import run_training
 
 logger = logging.getLogger(__name__)

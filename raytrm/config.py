@@ -226,7 +226,7 @@ class TrainConfig:
     early_stop: bool = spec(
         False, "end the run when it is not learning, goes non-finite or reaches a plateau (evaluated and saved)"
     )
-    # -- sync across workers (raytrm.train.sync_modes): ignored by a run alone ---------------------------------
+    # -- sync across workers (raytrm.sync.strategy): ignored by a run alone --------------------------------------
     sync_mode: str = spec(
         "auto",
         "how workers combine their work: auto (chosen from the measured link and step, re-chosen when the sync "

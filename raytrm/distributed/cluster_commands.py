@@ -216,7 +216,7 @@ def status(address: str | None = None, token_file: str | None = None, link: bool
             )
         report = {"nodes": rows, "jobs": _jobs()}
         if link:
-            from raytrm.distributed.link import link_status
+            from raytrm.distributed.cluster_link import link_status
 
             report["link"] = link_status()
         return report
@@ -265,7 +265,7 @@ def format_status(report: dict[str, Any]) -> str:
     if len(versions) == 1:
         lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in next(iter(versions))) + " (every node)")
     if "link" in report:
-        from raytrm.distributed.link import describe_link_status
+        from raytrm.distributed.cluster_link import describe_link_status
 
         lines.append(describe_link_status(report["link"]))
     jobs = report["jobs"]

@@ -358,12 +358,12 @@ def without_machine_settings(config: cfg.ExperimentConfig, keep: Sequence[str] =
 def _worker_loop(job: dict) -> None:
     import ray.train
 
-    from raytrm.distributed.process_group import ProcessGroupSync
     from raytrm.distributed.run_logs import DRIVER_LOG, LOGS_DIR, worker_logs
     from raytrm.hardware import device as devices
+    from raytrm.sync.process_group import ProcessGroupSync
+    from raytrm.sync.shares import split
     from raytrm.train import checkpoint as ckpt
     from raytrm.train.run import CHECKPOINT_DIR, run_training
-    from raytrm.train.shares import split
 
     rank = ray.train.get_context().get_world_rank()
     run_dir = Path(job["run_dir"])

@@ -16,8 +16,8 @@ from raytrm.fastpaths import registry
 from raytrm.fastpaths.registry import Backend
 from raytrm.hardware import device as devices
 
-#: Columns a block: the fastest of 256 to 4096 measured on a 2-core CPU at Sudoku's 97 positions, batch 16, hidden
-#: 256 and 512.
+#: Columns a block: a block's activations stay in a core's cache at TRM's widths (the position-mixing row of
+#: docs/performance.md chose it).
 COLUMN_BLOCK = 1024
 
 

@@ -1,11 +1,12 @@
 """Linear layers on oneDNN's matrix products, for fp32 on AMD's x86-64 CPUs.
 
 On a CPU, torch.mm (and so F.linear and autograd's products) runs MKL's sgemm. PyTorch's x86-64 wheels carry oneDNN
-too (torch.backends.mkldnn), whose just-in-time kernels ran TRM's products faster than MKL on an AMD EPYC (Zen 4),
-where on an Intel Xeon MKL, Intel's own, was as fast or faster. So on AMD's CPUs the operation linear (a Linear's
-forward, and the gradient of its input) runs on oneDNN's `_linear_pointwise` (the op inductor uses for CPU linears)
-with the weight packed into oneDNN's layout once for each value it takes; the weight's gradient stays on MKL, where
-oneDNN's form (both operands strided) was no faster. Intel's CPUs, and CPUs whose maker is unknown, keep MKL.
+too (torch.backends.mkldnn), whose just-in-time kernels suit AMD's CPUs, where MKL, Intel's own library, does not
+pick its best kernels; on Intel's CPUs MKL is at home. So on AMD's CPUs the operation linear (a Linear's forward, and
+the gradient of its input) runs on oneDNN's `_linear_pointwise` (the op inductor uses for CPU linears) with the
+weight packed into oneDNN's layout once for each value it takes; the weight's gradient stays on MKL, since both of
+its operands are strided activations that oneDNN would have to pack at every call. Intel's CPUs, and CPUs whose maker
+is unknown, keep MKL. docs/performance.md's CPU rows give the ceiling of each on the build machine.
 
 The products sum in another order than MKL's, so results agree with F.linear within fp32 rounding, not to the bit.
 Elsewhere (other dtypes, GPUs, Apple Silicon's CPUs, under torch.compile, which packs its own weights) a Linear is
@@ -24,7 +25,7 @@ from raytrm.fastpaths.registry import Backend
 from raytrm.hardware import device as devices
 from raytrm.hardware import linux
 
-#: The CPU maker whose CPUs ran TRM's products faster on oneDNN than on MKL (the module's docstring).
+#: The CPU maker whose CPUs run their products on oneDNN rather than MKL (the module's docstring).
 FASTER_ON = "AuthenticAMD"
 
 

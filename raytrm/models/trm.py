@@ -152,7 +152,7 @@ class TRM(nn.Module):
     #: The step's edges, which raytrm.train.compile compiles on CUDA beside the round (see compile_regions).
     EDGES = ("_start", "_finish")
     #: The region CUDA graphs record (raytrm.train.compile): the round, run H_cycles times a step. The edges run
-    #: once, and graphing them too made the step no faster.
+    #: once a step, so graphing them saves one launch sequence at most.
     graph_regions = ("_round",)
     #: Graphed regions whose outputs stay in the graphs' memory (raytrm.train.compile): each round hands its states to
     #: the next where it wrote them, and `forward` copies out the carry's. Copied out after every round, the states

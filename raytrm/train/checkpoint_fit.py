@@ -230,7 +230,7 @@ def _expect_ema(wrong: _Shapes, key: str, value: Any, shapes: dict[str, tuple[in
 def _expect_rounds(
     wrong: _Shapes, rounds: Any, params: list[tuple[int, ...]], ema: dict[str, tuple[int, ...]], trainer: Any
 ) -> None:
-    """A local round's state (raytrm.train.rounds.LocalRounds.state_dict): every parameter-shaped list, each
+    """A local round's state (raytrm.sync.local.Local.state_dict): every parameter-shaped list, each
     worker's parameters, optimizer and the sparse table's rows it moved."""
     if rounds is None:
         return

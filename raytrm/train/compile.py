@@ -14,8 +14,8 @@ The plan (`plan_compile`) depends on the device and the torch build, and is logg
   none.
 - mps: inductor where torch has its Metal backend (torch >= 2.8), eager otherwise; never CUDA graphs (asking for
   them on MPS compiles without them, and says so).
-- cpu: inductor needs a C++ compiler; `auto` stays eager on a CPU (the compiled region measured no faster on this
-  project's 2-core CPU), `on` compiles where a compiler is found.
+- cpu: inductor needs a C++ compiler; `auto` stays eager on a CPU (docs/performance.md's compiled-on-a-CPU row is
+  why), `on` compiles where a compiler is found.
 A region whose compilation fails on first use runs eagerly from then on, with one warning naming the error.
 Compiled artifacts persist under raytrm's cache dir (`use_compile_caches`), so a second identical run, or the next
 tuning trial of the same model, loads them instead of compiling again.

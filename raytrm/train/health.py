@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from raytrm.train.loop import Hook, Loop, Step
+from raytrm.train.loop import Hook, Loop, Step, Stop
 from raytrm.train.size_rule import size_rule
 from raytrm.train.trainer import StepResult, Trainer
 
@@ -448,7 +448,7 @@ class Health(Hook):
         upcoming = self.trainer.step + 1
         self.trainer.watch_update = loop.logged(upcoming) or upcoming % UPDATE_EVERY == 0
 
-    def end_step(self, loop: Loop, step: Step) -> None:
+    def end_step(self, loop: Loop, step: Step) -> Stop | None:
         assert self.monitor is not None
         result, trainer = step.result, self.trainer
         found = self.monitor.observe(
@@ -465,13 +465,14 @@ class Health(Hook):
             if self.rank0:
                 logger.warning("%s", finding.line())
         if not self.halt_on:
-            return
+            return None
         halting = next((f for f in found if f.kind in self.halt_on), None)
         if self.trainer.sync.world_size > 1:  # every rank asks at every step, so none waits on a collective alone
             if loop.agreed(halting is not None):
-                loop.halt(f"early stop: {halting.name if halting else 'another worker found the run unhealthy'}")
+                return Stop(f"early stop: {halting.name if halting else 'another worker found the run unhealthy'}")
         elif halting is not None:
-            loop.halt(f"early stop: {halting.name}")
+            return Stop(f"early stop: {halting.name}")
+        return None
 
     def found(self, *kinds: str) -> Finding | None:
         """The first finding of one of these kinds, if any."""

@@ -5,15 +5,21 @@ build a Trainer, pick hooks and run this loop; what differs between them is the 
 
 1. stop: the run ends when a hook halted it during the last step, or when a hook's stop rule gives a reason;
 2. `before_step`: hooks act before the step (a trial's window opens, due evaluations are taken);
-3. the step, its peak memory measured around it;
-4. `after_step`: hooks observe the step and decide (memory governor, heat, a trial's constraints), in list order;
-5. the global batch is re-cut once if their decisions moved the micro-batch, and the hooks are told (`on_recut`);
-6. `end_step`: hooks exchange and record (peers, metrics rows, checkpoints), in list order.
+3. the step, its peak memory measured around it, then the Trainer's sync strategy (raytrm.sync.strategy) after it:
+   a local round's exchange when due, the sync mode's choice; its wait counts in the step, and it says whether the
+   workers may exchange after this step (`exchanging`);
+4. `after_step`: hooks observe the step and return their decisions (`Decision`: the memory governor's cut, the
+   heat's threads, share of the micro-batch and pause, a stop), which the loop applies in the order of `ORDER`,
+   whatever the order of the hooks;
+5. the global batch is re-cut once if the decisions moved the micro-batch, and the hooks are told (`on_recut`);
+6. `end_step`: hooks exchange and record (peers, metrics rows, checkpoints), in list order; a stop they return is
+   applied after them.
 
-After the last step, `finish` (final evaluation, last checkpoint). A failure ends the run with the exception; what
-the hooks hold (a metrics file) is closed by whoever built them. A new behaviour (a health check, a sync mode that
-re-measures its link, another stop rule) is one more hook, picked by the runs that need it; `stop_reason` says why
-a run ended.
+After the last step, the sync strategy lands what it holds, then `finish` (final evaluation, last checkpoint). A
+failure ends the run with the exception; what the hooks hold (a metrics file) is closed by whoever built them. A new
+behaviour (a health check, another stop rule) is one more hook, picked by the runs that need it; `stop_reason` says
+why a run ended. A hook reads the loop's state (`probing`, `exchanging`, the clock) but never writes it: what it
+decides, it returns.
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Union
 
 from raytrm.train.peak import PeakMemory, trim_heap
+from raytrm.train.threads import apply_threads
 from raytrm.train.trainer import StepResult, Trainer
 
 
@@ -44,10 +51,61 @@ class Step:
     workers: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # every worker's row, with peers
 
 
-class Hook:
-    """A part of a run that the loop asks around each step; every method is optional."""
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """The memory governor's micro-batch for the following steps (None: the config's), and whether it still probes
+    the cut (its first steps, part of the warm-up)."""
 
-    def start(self, loop: Loop) -> None:
+    micro_batch: int | None
+    probing: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Threads:
+    """Torch's intra-op threads from the next step on (the heat shedding or restoring load)."""
+
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """Multiply the heat's share of the micro-batch by this (the share never exceeds 1)."""
+
+    factor: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Pause:
+    """Sleep before the next step (the heat cooling)."""
+
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """End the run before the next step, with its reason (a broken constraint: what was planned for its end is
+    skipped)."""
+
+    reason: str
+
+
+Decision = Union[Cut, Threads, Scale, Pause, Stop]  # noqa: UP007 (a runtime alias, also for isinstance's order)
+#: The order the loop applies a step's decisions in: the cut from the step's memory first, then the heat (its threads,
+#: its share of that cut, its pause), and a stop last, so that the next step, if any, runs as every hook decided.
+ORDER: tuple[type, ...] = (Cut, Threads, Scale, Pause, Stop)
+Decisions = Union[Decision, Iterable[Decision], None]  # noqa: UP007
+
+
+class Hook:
+    """A part of a run that the loop asks around each step; every method is optional.
+
+    on_out_of_memory: told of a step the allocator refused, returns the smaller micro-batch to redo it at (the memory
+    governor's; the loop hands the first hook's that has one to the Trainer).
+    """
+
+    on_out_of_memory: Callable[[int], int] | None = None
+
+    def start(self, loop: Loop) -> Decisions:
         """Before the first step."""
 
     def stop(self, loop: Loop) -> str | None:
@@ -57,14 +115,14 @@ class Hook:
     def before_step(self, loop: Loop) -> None:
         """Before each step that runs."""
 
-    def after_step(self, loop: Loop, step: Step) -> None:
-        """Observe the step and decide (a micro-batch, a halt)."""
+    def after_step(self, loop: Loop, step: Step) -> Decisions:
+        """Observe the step; return what this hook decided (a cut, threads, a pause, a stop), or None."""
 
     def on_recut(self, loop: Loop) -> None:
         """The loop re-cut the global batch after the hooks' decisions."""
 
-    def end_step(self, loop: Loop, step: Step) -> None:
-        """Exchange and record what the step did."""
+    def end_step(self, loop: Loop, step: Step) -> Decisions:
+        """Exchange and record what the step did; a stop may be returned."""
 
     def finish(self, loop: Loop) -> None:
         """After the last step (not after a failure)."""
@@ -100,10 +158,11 @@ class Loop:
         self.micro_batch_scale = 1.0
         #: The cut is still being probed (the memory governor's first steps): not yet the run's steady cut.
         self.probing = False
-        self.on_out_of_memory: Callable[[int], int] | None = None  # told of a refused allocation; returns a cut
+        self.on_out_of_memory = next((h.on_out_of_memory for h in self.hooks if h.on_out_of_memory), None)
         #: The workers may exchange after this step: always, but inside a round of the local sync mode, where no
-        #: worker touches a peer until the round ends (raytrm.train.sync_modes sets it); hooks that exchange wait.
+        #: worker touches a peer until the round ends (the sync strategy says); hooks that exchange wait.
         self.exchanging = True
+        self.applied: list[Decision] = []  # every decision applied, in order (what a test or a report reads)
         self._start = 0.0
         self._off = 0.0
 
@@ -120,17 +179,32 @@ class Loop:
         finally:
             self._off += self.clock() - begin
 
-    def halt(self, reason: str) -> None:
+    def _halt(self, reason: str) -> None:
         """End the run before the next step (the first reason given is kept)."""
         if self.stop_reason is None:
             self.stop_reason, self.halted = reason, True
 
-    def charge(self, step: Step, seconds: float) -> None:
-        """Count seconds a hook spent finishing the step (a round's exchange) as the step's, waiting on sync."""
+    def _charge(self, step: Step, seconds: float) -> None:
+        """Count seconds the sync spent finishing the step (a round's exchange) as the step's, waiting on sync."""
         if seconds:
             step.result.seconds += seconds
             step.result.sync_seconds += seconds
             self.train_seconds += seconds
+
+    def apply(self, decisions: Iterable[Decision]) -> None:
+        """Apply decisions in the order of ORDER (a kind's decisions in the order given)."""
+        for decision in sorted(decisions, key=lambda d: ORDER.index(type(d))):
+            self.applied.append(decision)
+            if isinstance(decision, Cut):
+                self.micro_batch, self.probing = decision.micro_batch, decision.probing
+            elif isinstance(decision, Threads):
+                apply_threads(decision.count)
+            elif isinstance(decision, Scale):
+                self.micro_batch_scale = min(1.0, self.micro_batch_scale * decision.factor)
+            elif isinstance(decision, Pause):
+                time.sleep(decision.seconds)
+            else:
+                self._halt(decision.reason)
 
     def agreed(self, mine: bool) -> bool:
         """Whether any worker wants this; a collective with several workers, so every rank asks at the same point."""
@@ -139,8 +213,10 @@ class Loop:
     def run(self) -> str | None:
         """Train until a hook ends the run; returns why it ended."""
         self._start = self.clock()
-        for hook in self.hooks:
-            hook.start(self)
+        strategy = self.trainer.strategy
+        strategy.start()
+        self.exchanging = strategy.exchanging  # a resume may land inside a local round
+        self.apply(_collect(hook.start(self) for hook in self.hooks))
         while True:
             self.t = self.now()
             if self._stopping():
@@ -148,11 +224,10 @@ class Loop:
             for hook in self.hooks:
                 hook.before_step(self)
             step = self._step()
-            for hook in self.hooks:
-                hook.after_step(self, step)
+            self.apply(_collect(hook.after_step(self, step) for hook in self.hooks))
             self._recut()
-            for hook in self.hooks:
-                hook.end_step(self, step)
+            self.apply(_collect(hook.end_step(self, step) for hook in self.hooks))
+        strategy.finish()
         for hook in self.hooks:
             hook.finish(self)
         return self.stop_reason
@@ -172,9 +247,14 @@ class Loop:
             self.peak_bytes = max(self.peak_bytes, peak_bytes)
         else:
             result = trainer.train_step(on_out_of_memory=self.on_out_of_memory)
-        self.step_end = self.now()
         self.train_seconds += result.seconds
-        return Step(result, peak_bytes, logged=self.logged(trainer.step))
+        step = Step(result, peak_bytes, logged=self.logged(trainer.step))
+        synced = trainer.strategy.after_step(result.seconds, result.sync_seconds, probing=self.probing)
+        self._charge(step, synced.waited_s)
+        self.exchanging = synced.exchanging
+        step.events += synced.events
+        self.step_end = self.now()
+        return step
 
     def _recut(self) -> None:
         """Cut the following global batches at the governor's micro-batch times the heat's share, where either set
@@ -190,3 +270,13 @@ class Loop:
         self.trainer.set_micro_batch(micro)
         for hook in self.hooks:
             hook.on_recut(self)
+
+
+def _collect(returned: Iterable[Decisions]) -> list[Decision]:
+    """The decisions the hooks returned, flattened (None: none)."""
+    out: list[Decision] = []
+    for item in returned:
+        if item is None:
+            continue
+        out.extend([item] if isinstance(item, ORDER) else item)
+    return out

@@ -24,7 +24,7 @@ from raytrm import schema
 from raytrm.fastpaths.tuned import TunedChoices, store_path
 from raytrm.hardware.pressure import MemoryReader
 from raytrm.train.adaptive import GovernorSettings, MemoryGovernor
-from raytrm.train.loop import Hook, Loop, Step
+from raytrm.train.loop import Cut, Decision, Hook, Loop, Step, Stop
 from raytrm.train.trainer import Trainer
 
 MiB = 2**20
@@ -44,6 +44,8 @@ class MemoryBudget(Hook):
         self._seen = 0  # the governor's events before this step
         #: Where this run keeps its settled points for the next run of the model (GPUs only), and under what key.
         self.kept: tuple[TunedChoices, str] | None = None
+        if not governor.hold:
+            self.on_out_of_memory = governor.on_out_of_memory
         trainer.set_micro_batch(governor.micro_batch)
 
     @classmethod
@@ -83,20 +85,17 @@ class MemoryBudget(Hook):
         )
         return cls(trainer, governor)
 
-    def start(self, loop: Loop) -> None:
-        loop.probing = self.governor.probing
-        if not self.governor.hold:
-            loop.on_out_of_memory = self.governor.on_out_of_memory
+    def start(self, loop: Loop) -> Cut:
+        return Cut(None, probing=self.governor.probing)
 
     def before_step(self, loop: Loop) -> None:
         self._seen = len(self.governor.events)
 
-    def after_step(self, loop: Loop, step: Step) -> None:
+    def after_step(self, loop: Loop, step: Step) -> list[Decision]:
         governor, trainer = self.governor, self.trainer
         probed = governor.probing
         pressure = self.reader.read().pressure if self.reader is not None else None
-        loop.micro_batch = governor.after_step(trainer.step, step.peak_bytes, pressure)
-        loop.probing = governor.probing
+        cut = Cut(governor.after_step(trainer.step, step.peak_bytes, pressure), probing=governor.probing)
         step.events += governor.events[self._seen :]
         if self.kept is not None and governor.settled and self.rank0:
             self.kept[0].put(self.kept[1], governor.measured_points())
@@ -105,19 +104,24 @@ class MemoryBudget(Hook):
             # A share cap matters only beside other workers: alone, the step skips measuring it.
             if trainer.sync.world_size > 1:
                 step.share_cap = governor.share_cap(trainer.local_batch, trainer.slot_bytes())
-            return
+            return [cut]
         budget = governor.budget_bytes
         if probed and not governor.probing:
             self.predicted = governor.predicted_peak(governor.micro_batch)
             if self.predicted is not None and self.predicted > budget:
                 self.over_budget = "predicted"
-                loop.halt(
-                    f"over budget: {self.predicted / MiB:.0f} MiB predicted at micro-batch {governor.micro_batch}, "
-                    f"budget {budget / MiB:.0f} MiB"
-                )
+                return [
+                    cut,
+                    Stop(
+                        f"over budget: {self.predicted / MiB:.0f} MiB predicted at micro-batch "
+                        f"{governor.micro_batch}, budget {budget / MiB:.0f} MiB"
+                    ),
+                ]
         elif not probed and loop.peak_bytes > budget:
             self.over_budget = "measured"
-            loop.halt(f"over budget: a step peaked at {loop.peak_bytes / MiB:.0f} MiB, budget {budget / MiB:.0f} MiB")
+            peak = f"{loop.peak_bytes / MiB:.0f} MiB"
+            return [cut, Stop(f"over budget: a step peaked at {peak}, budget {budget / MiB:.0f} MiB")]
+        return [cut]
 
     def state_dict(self) -> dict[str, Any]:
         return self.governor.state_dict()

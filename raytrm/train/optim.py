@@ -1,4 +1,5 @@
-"""Optimizers TRM needs in plain PyTorch: AdamATan2, SignSGD for the sparse puzzle table, and a weight EMA.
+"""The optimizers and their schedule: AdamW or AdamATan2 for the weights (`build_optimizer`), the learning rate by
+step (`lr_at`: warm-up, then constant or cosine), SignSGD for the sparse puzzle table, and a weight EMA.
 
 AdamATan2 follows the adam-atan2 package the reference trains with (a CUDA-only kernel): Adam whose update is
 atan2(m, sqrt(v)) instead of m / (sqrt(v) + eps), so it needs no epsilon. SignSGD follows the reference's
@@ -14,6 +15,49 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from raytrm import config as cfg
+from raytrm.hardware import device as devices
+
+
+def build_optimizer(model: nn.Module, train: cfg.TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The weights' optimizer the config names, at its peak learning rate (the schedule sets it each step)."""
+    kind = AdamATan2 if train.optimizer == "adam_atan2" else torch.optim.AdamW
+    # On CUDA, AdamW's fused kernel updates every weight in a few launches, where the default launches a dozen
+    # per-tensor-list kernels from the host, one by one, with the GPU idle between them.
+    extra = {} if kind is AdamATan2 else {"eps": 1e-8, "fused": True if device.type == devices.CUDA else None}
+    return kind(model.parameters(), lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay, **extra)
+
+
+def step_weights(
+    optimizer: torch.optim.Optimizer, model: nn.Module, lr: float, grad_clip: float | None, *, watch: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One step of the weights' optimizer at lr, the gradients zeroed after; returns the gradient's norm before
+    clipping (clipped to grad_clip where set) and, when watched, the update/weight ratio (both on the device)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    # The norm before clipping is the one clipping computes anyway; without clipping, one read of the gradients.
+    if grad_clip:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    else:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else None
+    watched = [p.detach() for p in model.parameters() if p.grad is not None] if watch else []
+    before = torch._foreach_mul(watched, 1.0) if watched else None
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, update_ratio(before, watched) if before is not None else None
+
+
+def lr_at(step: int, train: cfg.TrainConfig, total_steps: int | None) -> float:
+    """Linear warm-up to lr, then constant or cosine down to min_lr_ratio * lr."""
+    if train.warmup_steps and step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    if train.schedule == "cosine" and total_steps:
+        progress = min(1.0, (step - train.warmup_steps) / max(1, total_steps - train.warmup_steps))
+        floor = train.min_lr_ratio
+        return train.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return train.lr
 
 
 def _evaluate(closure: Callable[[], float] | None) -> float | None:
@@ -238,3 +282,59 @@ class ModelEMA:
             for name, value in state["shadow"].items():
                 if name in self.shadow:
                     self.shadow[name].copy_(value)
+
+
+def update_ratio(before: list[torch.Tensor], after: list[torch.Tensor]) -> torch.Tensor:
+    """||after - before|| / ||before|| over all the tensors taken as one vector (on the device, not read)."""
+    torch._foreach_sub_(before, after)  # before now holds minus the update
+    update = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(before)]))
+    weights = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(after)]))
+    return update / weights.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """optimizer.load_state_dict, then the checks torch leaves to the first step, which would fail deep inside it.
+
+    Numeric hyperparameters stay numbers (lr, eps) or tuples of as many numbers (betas), switches keep this run's
+    values (amsgrad, maximize); every parameter's state is
+    a mapping of the same keys: its step count a number or a 0-d tensor, every other entry (the moments) a tensor of
+    the parameter's shape.
+    """
+    before = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for old, group in zip(before, optimizer.param_groups, strict=True):
+        for key, value in old.items():
+            if key not in group:  # torch takes the saved groups whole: a key they lack is gone until a step needs it
+                raise KeyError(f"optimizer hyperparameter {key!r} is missing")
+            new = group[key]
+            if _number(value) and not _number(new):
+                raise TypeError(f"optimizer hyperparameter {key!r}: got {new!r}, expected a number")
+            if isinstance(value, bool) and new is not None and new is not value:  # amsgrad needs a state of its own
+                raise ValueError(f"optimizer hyperparameter {key!r}: got {new!r}, this run's optimizer has {value!r}")
+            if isinstance(value, tuple) and not (
+                isinstance(new, (tuple, list)) and len(new) == len(value) and all(map(_number, new))
+            ):
+                raise ValueError(f"optimizer hyperparameter {key!r}: got {new!r}, expected {len(value)} numbers")
+    keys = None
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            saved = optimizer.state.get(param)
+            if saved is not None and not isinstance(saved, dict):
+                raise TypeError(f"optimizer state of a parameter: got {type(saved).__name__}, expected a mapping")
+            if not saved:
+                continue
+            keys = set(saved) if keys is None else keys
+            if set(saved) != keys:
+                raise KeyError(f"optimizer state of a parameter holds {sorted(saved)}, the others {sorted(keys)}")
+            for key, value in saved.items():
+                tensor = isinstance(value, torch.Tensor)
+                if key == "step" and (_number(value) or (tensor and value.shape == ())):
+                    continue
+                if key != "step" and tensor and value.shape == param.shape:
+                    continue
+                what = tuple(value.shape) if tensor else type(value).__name__
+                raise ValueError(f"optimizer state {key!r} of a {tuple(param.shape)} parameter: got {what}")

@@ -71,8 +71,8 @@ def one_heap() -> bool:
 
     glibc gives each new thread an arena of its own (up to eight a core) and keeps freed blocks in it; with
     micro-batches on threads side by side, which arena a tensor lands in follows the threads' timing, and so does the
-    resident peak (the same cut measured up to a fifth over the fit of its neighbours). Torch's tensors are few and
-    large, so one heap costs no contention worth measuring. Call before threads allocate: arenas made before stay in
+    resident peak, which the memory governor's fit needs to be a function of the cut. Torch's tensors are few and
+    large, so threads rarely contend for the one heap. Call before threads allocate: arenas made before stay in
     use. Returns False without glibc (macOS's allocator has no arenas to pin).
     """
     libc = _glibc()

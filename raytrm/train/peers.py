@@ -1,42 +1,22 @@
-"""What a training loop exchanges with its fellow workers after each step: step times, memory caps, per-worker rows.
-
-Every rank gathers the same measurements and runs the same deterministic balancer on them, so all ranks reach the
-same shares at the same global-batch boundary without a coordinator. Alone (one worker) nothing is exchanged.
-"""
+"""The peers in the training loop: after each step, once this worker's cut is decided, the workers exchange their
+times, memory caps and events (raytrm.sync.peers); inside a local round they wait for its end."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
 from typing import Any
 
+from raytrm.sync.peers import Peers
 from raytrm.train.loop import Hook, Loop, Step
-from raytrm.train.shares import ShareBalancer
 from raytrm.train.trainer import StepResult, Trainer
 
-logger = logging.getLogger(__name__)
 
-
-class Peers(Hook):
-    """The run loop's view of the other workers: rebalancing and the per-worker rows of metrics.jsonl.
-
-    In the loop it exchanges after every step, once the memory and heat hooks have decided this worker's cut: the
-    step's events become every worker's (what the metrics log writes) and its rows every worker's. Inside a round of
-    the local sync mode it exchanges at the round's end, with the round's mean times and all its events.
-    """
+class PeersHook(Hook):
+    """Exchanges after every step: the step's events become every worker's (what the metrics log writes) and its rows
+    every worker's. Inside a round of the local sync mode it holds the steps and exchanges at the round's end, with
+    the round's mean times and all its events. A checkpoint part ("shares_balancer")."""
 
     def __init__(self, trainer: Trainer, balance: bool = True) -> None:
-        self.trainer = trainer
-        self.sync = trainer.sync
-        self.rank0 = self.sync.rank == 0
-        self.alone = self.sync.world_size == 1
-        self.balancer = (
-            ShareBalancer(trainer.global_batch, self.sync.world_size, shares=trainer.shares)
-            if balance and not self.alone
-            else None
-        )
-        self.rows: list[dict[str, Any]] = []
-        self._warned = False  # caps that cannot hold the global batch are said once
+        self.peers = Peers(trainer, balance=balance)
         self._held: list[StepResult] = []  # the steps of a local round so far, and their events
         self._held_events: list[dict[str, Any]] = []
 
@@ -44,95 +24,18 @@ class Peers(Hook):
         if not loop.exchanging:  # inside a local round: held until its end, when the workers exchange again
             self._held.append(step.result)
             self._held_events += step.events
-            step.events, step.workers = [], self.rows
+            step.events, step.workers = [], self.peers.rows
             return
         held, events = self._held, [*self._held_events, *step.events]
         self._held, self._held_events = [], []
-        step.events = self.exchange(step.result, step.share_cap, events, held)
-        step.workers = self.rows
-
-    def exchange(
-        self,
-        result: StepResult,
-        cap: int | None = None,
-        events: Sequence[dict[str, Any]] = (),
-        held: Sequence[StepResult] = (),
-    ) -> list[dict[str, Any]]:
-        """Gather every worker's times and memory cap, rebalance the shares if that pays or a worker holds more than
-        its cap; returns the events to log: every worker's own (its memory governor's and thermal guard's `events`,
-        each tagged with its rank), then the rebalance. cap: the most samples this worker's memory model lets it
-        hold; held: the earlier steps of a local round, whose times are averaged with this one's."""
-        if self.alone:
-            return list(events)
-        trainer = self.trainer
-        shares = list(trainer.shares)
-        steps = [*held, result]
-        mine = [
-            sum(r.compute_seconds for r in steps) / len(steps),
-            sum(r.sync_seconds for r in steps) / len(steps),
-            trainer.last_overlap,
-            trainer.micro_batch,
-            -1 if cap is None else cap,
-            sum(r.seconds for r in steps) / len(steps),
-            len(events),
-        ]
-        gathered = self.sync.gather_floats(mine)
-        counts = [row.pop() for row in gathered]
-        logged = []
-        if any(counts):  # adaptations are rare: their objects travel only when some worker has one
-            for rank, theirs in enumerate(self.sync.gather_objects(list(events))):
-                logged += [{**event, "rank": rank} for event in theirs]
-        self.rows = [
-            {
-                "rank": rank,
-                "share": share,
-                "samples_per_sec": share / max(compute, 1e-9),
-                "compute_s": compute,
-                "sync_s": sync_s,  # what the sync added to this worker's step (a round's exchange: per step)
-                "sync_share": sync_s / step_s if step_s > 0 else 0.0,  # of this worker's step wall time
-                "sync_overlap": overlap,  # the fraction of the gradient summed while the backward still ran
-                "micro_batch": int(micro),
-                "share_cap": int(limit) if limit >= 1 else None,
-            }
-            for rank, (share, (compute, sync_s, overlap, micro, limit, step_s)) in enumerate(
-                zip(shares, gathered, strict=True)
-            )
-        ]
-        if self.balancer is None:
-            return logged
-        dropped = self.balancer.set_caps([row["share_cap"] for row in self.rows])
-        if dropped and self.rank0 and not self._warned:
-            logger.warning(
-                "step %d: memory caps ignored, the global batch must be held anyway: %s", trainer.step, dropped
-            )
-            self._warned = True
-        self.balancer.observe(trainer.step, [row["compute_s"] for row in self.rows])
-        decision = self.balancer.decide(trainer.step)
-        if decision is None:
-            return logged
-        trainer.set_shares(decision.shares_to)
-        if self.rank0:
-            logger.info("step %d: shares %s -> %s: %s", trainer.step, shares, decision.shares_to, decision.reason)
-        return [*logged, decision.to_event()]
+        step.events = self.peers.exchange(step.result, step.share_cap, events, held)
+        step.workers = self.peers.rows
 
     def state_dict(self) -> dict[str, Any] | None:
-        return self.balancer.state_dict() if self.balancer is not None else None
+        return self.peers.state_dict()
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Continue the balancer of a resumed run; on another number of workers it starts afresh."""
-        if self.balancer is None or not state:
-            return
-        self.balancer.load_state_dict(state)
-        if self.balancer.shares != self.trainer.shares:
-            self.trainer.set_shares(self.balancer.shares)
+        self.peers.load_state_dict(state)
 
     def summary(self) -> dict[str, Any]:
-        """The workers' part of summary.json."""
-        if self.alone:
-            return {}
-        return {
-            "workers": self.sync.world_size,
-            "shares": list(self.trainer.shares),
-            "rebalances": [event.to_event() for event in self.balancer.events] if self.balancer else [],
-            "worker_rows": self.rows,
-        }
+        return self.peers.summary()

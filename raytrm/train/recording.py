@@ -97,7 +97,7 @@ class StepTimes(Hook):
     step until the memory governor has stopped probing, then until the first step that takes at most WARM_STEP times
     the median step of the rest (compilation, CUDA graph recording and the allocator's first requests make the first
     steps slow). The steady rate is the samples over the training seconds of the steps after it. Place after the
-    memory governor, whose probing it reads.
+    memory governor's cut as the loop applied it: it reads the probing at the step's end.
     """
 
     def __init__(self, started: float) -> None:
@@ -108,7 +108,7 @@ class StepTimes(Hook):
     def start(self, loop: Loop) -> None:
         self.setup_seconds = loop.clock() - self.started
 
-    def after_step(self, loop: Loop, step: Step) -> None:
+    def end_step(self, loop: Loop, step: Step) -> None:
         self.steps.append((step.result.seconds, step.result.samples, loop.step_end, loop.probing))
 
     def warmup_steps(self) -> int:

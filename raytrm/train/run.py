@@ -22,6 +22,7 @@ from raytrm import config as cfg
 from raytrm.errors import UserError
 from raytrm.hardware.pressure import MemoryReader
 from raytrm.hardware.thermal import ThermalReader
+from raytrm.sync.contract import GradientSync
 from raytrm.train.adaptive import GovernorSettings
 from raytrm.train.checkpoint import latest_good_checkpoint
 from raytrm.train.checkpoint_fit import check_checkpoint_fits
@@ -29,13 +30,11 @@ from raytrm.train.health import EARLY_STOP_HALTS, Health
 from raytrm.train.loop import Hook, Loop
 from raytrm.train.memory_budget import MemoryBudget
 from raytrm.train.metrics import MetricsLog, Progress
-from raytrm.train.peers import Peers
+from raytrm.train.peers import PeersHook
 from raytrm.train.recording import Checkpoints, MetricsRows, StepTimes, tokens_per_sec
 from raytrm.train.run_dir import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 from raytrm.train.run_dir import resumable_config as resumable_config
 from raytrm.train.schedule import Interrupts, IntervalEvaluation, StepLimit, TimeBudget
-from raytrm.train.sync import GradientSync
-from raytrm.train.sync_modes import SyncModes
 from raytrm.train.thermal_guard import ThermalGuard, ThermalHook
 from raytrm.train.trainer import Trainer
 
@@ -98,14 +97,13 @@ def run_training(
     run_dir = Path(run_dir)
     trainer = Trainer(config, run_dir, sync=sync, shares=shares)
     rank0 = trainer.sync.rank == 0
-    peers = Peers(trainer, balance=balance)
+    peers = PeersHook(trainer, balance=balance)
     memory = MemoryBudget.adapting(trainer, governor_settings, memory_reader)
     parts: dict[str, Any] = {"shares_balancer": peers}
     if memory is not None:
         parts["memory_governor"] = memory
-    modes = SyncModes(trainer) if sync is not None else None  # a worker of a group (of one after a loss, too)
-    if modes is not None:
-        parts["sync"] = modes
+    if trainer.strategy.distributed:  # a worker of a group (of one after a loss, too)
+        parts["sync"] = trainer.strategy
     checkpoints = Checkpoints(trainer, run_dir / CHECKPOINT_DIR, train.checkpoint_interval, parts, on_checkpoint)
     resumed_from = None
     if resume:
@@ -134,10 +132,9 @@ def run_training(
             StepLimit(train.steps) if train.steps else None,
             TimeBudget(train.time_budget_s) if train.time_budget_s else None,
             interrupts,
-            modes,  # ends a local round (the rest of the step) before the others look at the step
-            memory,  # decides the cut from the step's peak, then the heat scales it: in this order
+            memory,  # decides the cut from the step's peak (the loop applies it, then the heat's share of it)
             thermal,
-            times,  # reads whether the memory governor still probes
+            times,  # reads, at the step's end, whether the memory governor still probes
             peers,  # exchanges once this worker's cut is decided
             health,  # its events go into this step's metrics line
             evaluations,
@@ -149,8 +146,7 @@ def run_training(
             loop.run()
         summary = _summary(trainer, loop, memory, thermal, peers, evaluations.final, checkpoints.last)
         summary.update(times.summary())
-        if modes is not None:
-            summary.update(modes.summary())
+        summary.update(trainer.strategy.summary())
     finally:
         bar.close()
         if log is not None:
@@ -181,7 +177,7 @@ def _summary(
     loop: Loop,
     memory: MemoryBudget | None,
     thermal: ThermalHook,
-    peers: Peers,
+    peers: PeersHook,
     final_eval: dict[str, Any],
     checkpoint: Path | None,
 ) -> dict[str, Any]:

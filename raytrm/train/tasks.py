@@ -38,7 +38,7 @@ class Task(Protocol):
     #: Tokens a training sample holds, where throughput is counted in tokens (the language model); else None.
     tokens_per_sample: int | None
     #: Whether most of the gradient is final well before the backward ends, so that summing it across workers during
-    #: the backward pays (raytrm.train.sync.OverlappedAllReduce).
+    #: the backward pays (raytrm.sync.contract.OverlappedAllReduce).
     overlaps_sync: bool
 
     def begin_step(self, batch: Batch, global_batch: int, part: slice) -> Any: ...
@@ -124,7 +124,7 @@ class TRMTask:
 
     def prepare_step(self, global_batch: int) -> None:
         """Draw the next step's exploration now: on the host and, on CUDA, copied behind this step's work, so the
-        next step's first kernels do not wait for it (0.25 ms of host time a step on an H200's host)."""
+        next step's first kernels do not wait for the host's draws."""
         state = self.explore_rng.get_state()
         self._drawn = (state, global_batch, self._draw(global_batch))
 
@@ -259,7 +259,7 @@ class TransformerTask:
 
     sparse_optimizer = None
     carry = None
-    overlaps_sync = True  # the head and the last layers finish first: 91% of the bytes before the last tenth
+    overlaps_sync = True  # the head and the last layers finish their gradients first: most bytes can leave early
 
     def __init__(self, config: cfg.ExperimentConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.config, self.device = config, device

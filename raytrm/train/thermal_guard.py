@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from raytrm.config import THERMAL_STATES
 from raytrm.hardware.thermal import ThermalReader
+from raytrm.train import loop as decisions
 from raytrm.train.loop import Hook, Loop, Step
-from raytrm.train.threads import apply_threads
 
 logger = logging.getLogger(__name__)
 
@@ -152,23 +151,25 @@ class ThermalHook(Hook):
     def __init__(self, reader: ThermalReader, guard: ThermalGuard | None = None) -> None:
         self.reader, self.guard = reader, guard
 
-    def after_step(self, loop: Loop, step: Step) -> None:
+    def after_step(self, loop: Loop, step: Step) -> list[decisions.Decision]:
         if self.guard is None and not step.logged:
-            return
+            return []
         step.heat = self.reader.read()
         if self.guard is None:
-            return
+            return []
         result = step.result
         decision = self.guard.observe(result.step, step.heat.get("thermal_state"), result.samples / result.seconds)
         if decision.event:
             step.events.append(decision.event)
+        out: list[decisions.Decision] = []
         if decision.threads:
-            apply_threads(decision.threads)
+            out.append(decisions.Threads(decision.threads))
             self.guard.reset_baseline()
         if decision.micro_batch_scale:
-            loop.micro_batch_scale = min(1.0, loop.micro_batch_scale * decision.micro_batch_scale)
+            out.append(decisions.Scale(decision.micro_batch_scale))
         if decision.pause_s:
-            time.sleep(decision.pause_s)
+            out.append(decisions.Pause(decision.pause_s))
+        return out
 
     def on_recut(self, loop: Loop) -> None:
         if self.guard is not None:

@@ -2,8 +2,8 @@
 
 PyTorch runs each operation of a step on all threads in turn: a product splits its output one way, the SiLU after
 it another, so every operation reads what another core wrote, and the threads meet at a barrier between
-operations (TRM's small mixing operations, a few hundred microseconds each, then run 2-4x slower in some processes
-than alone). Here the step's slots are split into one contiguous share per thread; a thread runs the forward and
+operations: TRM's mixing operations are small enough that the barriers and the cache traffic, not the arithmetic,
+set their time. Here the step's slots are split into one contiguous share per thread; a thread runs the forward and
 backward of its share's micro-batches, one after another, on a replica of the model whose parameters share the
 model's storage, so its data stays in its own core's cache and nothing waits for another thread until the end.
 

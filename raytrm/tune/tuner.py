@@ -198,7 +198,7 @@ def _measure_sync(
 ) -> None:
     """On a cluster of several machines: measure the link between them and choose the sync mode and round length
     for the base experiment at the speed stage's rates; kept in sync.json for the profiles (a resumed run keeps it)."""
-    from raytrm.distributed.link import choose_for_cluster, measure_cluster_link, model_bytes
+    from raytrm.distributed.cluster_link import choose_for_cluster, measure_cluster_link, model_bytes
 
     path = run_dir / SYNC_FILE
     if path.is_file() or sum(machines.values()) < 2:

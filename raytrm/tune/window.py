@@ -13,7 +13,7 @@ from typing import Any
 
 from raytrm.config import THERMAL_STATES
 from raytrm.hardware.thermal import ThermalReader
-from raytrm.train.loop import Hook, Loop, Step
+from raytrm.train.loop import Hook, Loop, Step, Stop
 from raytrm.train.trainer import Trainer
 
 MiB = 2**20
@@ -119,12 +119,13 @@ class HeatCap(Hook):
             self._opened = True
             self._read()
 
-    def after_step(self, loop: Loop, step: Step) -> None:
+    def after_step(self, loop: Loop, step: Step) -> Stop | None:
         if self.window.opened is not None and len(self.window.window) % HEAT_EVERY == 0:
             self._read()
         if self.cap and self.hottest is not None and _rank(self.hottest) > _rank(self.cap):
             self.too_hot = True
-            loop.halt(f"too hot: {self.hottest}, above the cap {self.cap}")
+            return Stop(f"too hot: {self.hottest}, above the cap {self.cap}")
+        return None
 
     def finish(self, loop: Loop) -> None:
         self._read()

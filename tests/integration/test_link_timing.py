@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from raytrm.distributed.link import choose_for_cluster, measure_cluster_link
+from raytrm.distributed.cluster_link import choose_for_cluster, measure_cluster_link
 from raytrm.distributed.ray_train import raytrm_nodes
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from raytrm import config as cfg
-from raytrm.distributed.process_group import ProcessGroupSync
+from raytrm.sync.process_group import ProcessGroupSync
 from raytrm.train.trainer import Trainer
 
 
@@ -154,7 +154,7 @@ def _experiment(model: str, device: str, work: Path) -> cfg.ExperimentConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     """Check the sync on this machine's devices: uneven shares that move mid-run, against one process."""
     from raytrm.distributed.launch import spawn
-    from raytrm.train.shares import split
+    from raytrm.sync.shares import split
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--device", default="cpu")

@@ -99,8 +99,8 @@ def test_imports_run_down_the_layers() -> None:
     assert not upward, "imports that run up or across the layers:\n" + "\n".join(upward)
 
 
-def _outside_imports(path: Path) -> Iterator[tuple[str, int]]:
-    """(top-level name, line) of each absolute import of benchmarks/ or tests/ in the file."""
+def _absolute_imports(path: Path) -> Iterator[tuple[str, int]]:
+    """(imported module, line) of each absolute import in the file, those inside functions too."""
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -109,8 +109,20 @@ def _outside_imports(path: Path) -> Iterator[tuple[str, int]]:
         else:
             continue
         for name in names:
-            if name.split(".")[0] in ("benchmarks", "tests"):
-                yield name, node.lineno
+            yield name, node.lineno
+
+
+def test_nothing_below_distributed_imports_ray() -> None:
+    order = _order()
+    below = {layer for layer, height in order.items() if height < order["distributed"]}
+    found = [
+        f"{module}:{line}"
+        for module, path in MODULES.items()
+        if _layer_of(module) in below
+        for name, line in _absolute_imports(path)
+        if name.split(".")[0] == "ray"
+    ]
+    assert not found, "modules below distributed/ that import Ray:\n" + "\n".join(found)
 
 
 def test_the_package_never_imports_the_benchmarks_or_the_tests() -> None:
@@ -118,7 +130,8 @@ def test_the_package_never_imports_the_benchmarks_or_the_tests() -> None:
     found = [
         f"{path.relative_to(ROOT)}:{line} imports {name}"
         for path in MODULES.values()
-        for name, line in _outside_imports(path)
+        for name, line in _absolute_imports(path)
+        if name.split(".")[0] in ("benchmarks", "tests")
     ]
     assert not found, "the package imports what the wheel does not ship:\n" + "\n".join(found)
 

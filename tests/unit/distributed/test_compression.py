@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from raytrm.distributed.launch import free_port
-from raytrm.distributed.process_group import ProcessGroupSync
+from raytrm.sync.process_group import ProcessGroupSync
 
 
 @pytest.fixture

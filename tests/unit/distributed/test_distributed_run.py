@@ -17,7 +17,7 @@ import torch
 from benchmarks.distributed import slow_down
 from raytrm import config as cfg
 from raytrm.distributed.launch import spawn
-from raytrm.distributed.process_group import ProcessGroupSync
+from raytrm.sync.process_group import ProcessGroupSync
 from raytrm.train import checkpoint as ckpt
 from raytrm.train.metrics import read_metrics
 from raytrm.train.run import run_training

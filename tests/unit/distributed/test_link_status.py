@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from raytrm.distributed import cluster_commands, link
+from raytrm.distributed import cluster_commands
+from raytrm.distributed import cluster_link as link
 from raytrm.distributed.ray_train import Node
 from raytrm.errors import UserError
 

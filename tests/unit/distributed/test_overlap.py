@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from raytrm.distributed.launch import spawn
-from raytrm.distributed.process_group import ProcessGroupSync
+from raytrm.sync.process_group import ProcessGroupSync
 from raytrm.train.trainer import Trainer
 from tests.support.equivalence import compare, record_steps, train_alone
 
@@ -28,7 +28,7 @@ def worker(rank, world_size, device, config, shares, micro_batches, fail_step=No
         first = next(iter(trainer.model.parameters()))  # the embedding: the last gradient a backward finishes
 
         def fail(param):
-            reducer = trainer._reducer
+            reducer = trainer.strategy.mode.reducer
             if trainer.step == fail_step and reducer.overlapped_bytes and not sent_before_failure:
                 sent_before_failure.append(reducer.overlapped_bytes)
                 raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by the test)")

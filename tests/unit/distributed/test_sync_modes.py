@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from raytrm.distributed.launch import spawn
-from raytrm.distributed.process_group import ProcessGroupSync
+from raytrm.sync.process_group import ProcessGroupSync
 from raytrm.train import checkpoint as ckpt
 from raytrm.train.loop import Loop
 from raytrm.train.run import run_training
 from raytrm.train.schedule import StepLimit
-from raytrm.train.sync_modes import SyncModes
 from raytrm.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # worker processes
@@ -25,7 +24,7 @@ def sgd_worker(rank, world_size, device, config, steps):
     """Train with plain SGD as the (inner) optimizer; rank 0 returns its weights and EMA."""
     trainer = Trainer(config, sync=ProcessGroupSync(device), shares=SHARES)
     trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=config.training.lr)
-    Loop(trainer, [StepLimit(steps), SyncModes(trainer)], measure_peak=False).run()
+    Loop(trainer, [StepLimit(steps)], measure_peak=False).run()
     out = {
         "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
         "ema": {k: v.clone() for k, v in trainer.ema.shadow.items()},

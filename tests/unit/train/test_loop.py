@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from raytrm import config as cfg
-from raytrm.train.loop import Hook, Loop
+from raytrm.train.loop import ORDER, Cut, Hook, Loop, Pause, Scale, Stop, Threads
+from raytrm.train.optim import lr_at
 from raytrm.train.run import run_training
 from raytrm.train.schedule import Evaluations, SampleLimit, StepLimit
-from raytrm.train.trainer import Trainer, lr_at
+from raytrm.train.trainer import Trainer
 
 
 def test_warmup_then_constant_or_cosine():
@@ -31,7 +32,7 @@ def test_loader_workers_give_the_same_batches(tiny):
     inline = Trainer(tiny(training={"dataloader_workers": 0}))
     workers = Trainer(tiny(training={"dataloader_workers": 1}))
     for _ in range(3):
-        a, b = inline._next_global_batch(), workers._next_global_batch()
+        a, b = inline.batches.next(inline.step), workers.batches.next(workers.step)
         assert a.keys() == b.keys()
         for key in a:
             assert a[key].equal(b[key]), key
@@ -52,9 +53,10 @@ class Recorder(Hook):
 
     def after_step(self, loop, step):
         self.calls.append(("after", step.result.step))
-        loop.micro_batch = 16  # a decision: the loop re-cuts once, after every hook has decided
+        decided = [Cut(16)]  # a decision: the loop re-cuts once, after every hook has decided
         if step.result.step == self.halt_at:
-            loop.halt("scripted halt")
+            decided.append(Stop("scripted halt"))
+        return decided
 
     def on_recut(self, loop):
         self.calls.append(("recut", loop.trainer.micro_batch))
@@ -116,3 +118,25 @@ def test_evaluations_are_taken_off_the_runs_clock(tiny):
     trainer.train_step = step
     loop.run()
     assert seen == [1.0, 2.0] and loop.now() == 2.0  # two steps of a second each; the evaluations' 200 s are off
+
+
+def test_the_loop_applies_a_steps_decisions_in_the_stated_order_whatever_the_hooks_order(tiny):
+    # The heat's decisions come before the memory governor's in the hook list, and a stop before both: the loop
+    # still applies the cut first, then threads, the share of the cut, the pause, and the stop last.
+    import torch
+
+    threads = torch.get_num_threads()
+
+    class Decides(Hook):
+        def __init__(self, *decisions):
+            self.decisions = list(decisions)
+
+        def after_step(self, loop, step):
+            return self.decisions
+
+    hooks = [Decides(Stop("scripted stop"), Pause(0.0)), Decides(Scale(0.5)), Decides(Threads(threads), Cut(8))]
+    loop = Loop(Trainer(tiny()), [StepLimit(3), *hooks], measure_peak=False)
+    assert loop.run() == "scripted stop" and loop.trainer.step == 1
+    assert [type(d) for d in loop.applied] == [Cut, Threads, Scale, Pause, Stop] == list(ORDER)
+    # The cut the governor chose, scaled by the heat's share: 8 x 0.5.
+    assert loop.trainer.micro_batch == 4 and torch.get_num_threads() == threads

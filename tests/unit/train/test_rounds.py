@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from raytrm.models.layers import SparseEmbedding
+from raytrm.sync.local import RoundRows
 from raytrm.train.optim import SignSGD
-from raytrm.train.rounds import RoundRows
 
 
 class ScriptedPeer:

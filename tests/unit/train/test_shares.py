@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from raytrm.train.shares import (
+from raytrm.sync.shares import (
     LinearTime,
     Rebalance,
     ShareBalancer,

@@ -38,7 +38,7 @@ def _times(steps: list[tuple[float, bool]]) -> StepTimes:
     for seconds, probing in steps:
         loop.step_end += seconds
         loop.probing = probing
-        times.after_step(loop, _Step(seconds))
+        times.end_step(loop, _Step(seconds))
     return times
 
 

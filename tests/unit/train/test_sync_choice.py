@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from raytrm.train import sync_modes
+from raytrm.sync import strategy as sync_modes
+from raytrm.sync.link import Link, choose, fit_link, measure_link, step_share
+from raytrm.sync.local import Local
 from raytrm.train.loop import Hook, Loop
 from raytrm.train.schedule import StepLimit
-from raytrm.train.sync_choice import Link, choose, fit_link, measure_link, step_share
-from raytrm.train.sync_modes import SyncModes
 from raytrm.train.trainer import Trainer
 
 MBIT = 1e6 / 8  # bytes per second in a Mbit/s
@@ -153,14 +153,18 @@ def test_measure_link_on_a_faked_link():
     assert seconds == pytest.approx(clock.t)
 
 
-class ScriptedStep(Hook):
-    """Each step took `compute_s` without sync (the faked step time), plus what its sync took."""
+def scripted_steps(trainer, compute_s: float, clock) -> None:
+    """Each step took `compute_s` without sync (the faked step time), plus what its sync took; the run's sync
+    strategy reads the faked clock."""
+    step = trainer.train_step
 
-    def __init__(self, compute_s: float) -> None:
-        self.compute_s = compute_s
+    def timed(*args, **kwargs):
+        result = step(*args, **kwargs)
+        result.seconds = compute_s + result.sync_seconds
+        return result
 
-    def after_step(self, loop, step):
-        step.result.seconds = self.compute_s + step.result.sync_seconds
+    trainer.train_step = timed
+    trainer.strategy.clock = clock
 
 
 def _run(trainer, hooks, steps):
@@ -181,15 +185,16 @@ def test_the_run_chooses_from_the_faked_link_and_step(tiny):
     link = Link(0.001, 20 * MBIT)
     config = tiny(training={"sync_mode": "auto", "sync_overlap": 0})
     trainer = Trainer(config, sync=MirroredSync(link, clock))
-    modes = SyncModes(trainer, clock=clock)
-    choices = _run(trainer, [ScriptedStep(0.5), modes], steps=sync_modes.PROBE_STEPS + 4)
+    modes = trainer.strategy
+    scripted_steps(trainer, 0.5, clock)
+    choices = _run(trainer, [], steps=sync_modes.PROBE_STEPS + 4)
     expected = choose(modes.link, 0.5, modes.model_bytes, overlap=0)
     assert modes.link.bytes_per_s == pytest.approx(link.bytes_per_s, rel=1e-3)
     assert expected.every > 1
     assert [(c["step"], c["mode"], c["every"]) for c in choices] == [(sync_modes.PROBE_STEPS, "local", expected.every)]
     assert choices[0]["step_s"] == pytest.approx(0.5)
     assert math.isclose(choices[0]["predicted_share"], expected.share)
-    assert trainer.steps_alone and modes.summary()["sync_mode"] == "local"
+    assert trainer.strategy.steps_alone and modes.summary()["sync_mode"] == "local"
     trainer.close()
 
 
@@ -200,14 +205,14 @@ def test_a_drifting_share_measures_again_and_chooses_again(tiny, monkeypatch):
     clock = FakeClock()
     sync = MirroredSync(Link(1e-5, 100_000 * MBIT), clock)
     trainer = Trainer(tiny(training={"sync_mode": "auto", "sync_overlap": 0}), sync=sync)
-    modes = SyncModes(trainer, clock=clock)
+    scripted_steps(trainer, 0.5, clock)
 
     class Slowdown(Hook):
         def before_step(self, loop):
             if trainer.step == 5:
                 sync.link = Link(0.001, 5 * MBIT)
 
-    choices = _run(trainer, [Slowdown(), ScriptedStep(0.5), modes], steps=12)
+    choices = _run(trainer, [Slowdown()], steps=12)
     assert [c["mode"] for c in choices] == ["exact", "local"]
     assert choices[1]["measured_share"] > 0.05 and choices[1]["step"] >= 7
     assert "measured_share" not in choices[0]
@@ -216,10 +221,8 @@ def test_a_drifting_share_measures_again_and_chooses_again(tiny, monkeypatch):
 
 def test_outer_step_is_sgd_with_nesterov_momentum(tiny):
     # The rounds' outer optimizer against torch's SGD (nesterov) on the same pseudo-gradients.
-    from raytrm.train.rounds import LocalRounds
-
     trainer = Trainer(tiny())
-    rounds = LocalRounds(trainer, 2, outer_lr=0.7, outer_momentum=0.9)
+    rounds = Local(trainer, trainer.sync, 2, outer_lr=0.7, outer_momentum=0.9)
     reference = [p.detach().clone().requires_grad_() for p in rounds.globals]
     sgd = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
     gen = torch.Generator().manual_seed(0)

@@ -69,8 +69,8 @@ def test_a_step_that_gathers_the_next_batch_early_trains_on_the_same_batches(tin
     """train_step gathers batch k + 1 while the device runs step k: the stream, the losses and the weights are those
     of the plain forward_backward and optimizer_step, and a batch given by the caller leaves the stream alone."""
     early, plain = Trainer(tiny()), Trainer(tiny())
-    given = early._next_global_batch()
-    plain._next_global_batch()
+    given = early.batches.next(early.step)
+    plain.batches.next(plain.step)
     for step in range(4):
         if step == 2:  # the caller's batch: the stream's batch 2 stays the next one, early or not
             result = early.train_step(batch=given)
@@ -81,7 +81,7 @@ def test_a_step_that_gathers_the_next_batch_early_trains_on_the_same_batches(tin
         plain.optimizer_step()
         assert result.loss == loss and result.metrics == metrics, step
     assert_close_dicts(params(early), params(plain), rtol=0, atol=0)
-    assert torch.equal(early._next_global_batch()["inputs"], plain._next_global_batch()["inputs"])
+    assert torch.equal(early.batches.next(early.step)["inputs"], plain.batches.next(plain.step)["inputs"])
 
 
 def _strip(records: list[dict]) -> list[dict]:
@@ -111,7 +111,7 @@ def test_exploration_drawn_ahead_is_the_steps_own_and_a_checkpoint_saves_the_sta
     # The Trainer has TRM's task draw a step's halting exploration while the step before it runs (prepare_step).
     at_start, ahead = Trainer(tiny()), Trainer(tiny())
     try:
-        batch, n = at_start._next_global_batch(), at_start.global_batch
+        batch, n = at_start.batches.next(at_start.step), at_start.global_batch
         part = slice(0, n)
 
         def begin(trainer: Trainer) -> torch.Tensor:

@@ -81,8 +81,8 @@ def test_what_cannot_be_exported_is_one_line(plain_run, staged_run, tmp_path):
 def test_a_cluster_run_records_the_link_and_the_sync_mode_chosen_from_it(staged_run):
     # The speed stage measured the link between the machines (sync.json): the profiles train in that mode, and say
     # why; the profile reads back, and the record holds no field the schema refuses.
-    from raytrm.distributed.link import choose_for_cluster
-    from raytrm.train.sync_choice import Link
+    from raytrm.distributed.cluster_link import choose_for_cluster
+    from raytrm.sync.link import Link
 
     record = choose_for_cluster(Link(0.001, 20e6 / 8), 800_000, 16, {AIR: 60.0, STUDIO: 190.0}, {AIR: 1, STUDIO: 1})
     assert record["mode"] == "local" and record["every"] >= record["fewest_every"] >= 1

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from raytrm.train.sync import GradientSync
+from raytrm.sync.contract import GradientSync
 
 #: The most of a step's wall time the workers may spend waiting on each other.
 TARGET_SHARE = 0.05
@@ -31,10 +31,8 @@ TARGET_SHARE = 0.05
 SMALL_EXCHANGES = 3
 #: The longest round the choice proposes (DiLoCo's own).
 MAX_EVERY = 500
-#: Whether a round's exchange may travel behind the next inner steps when the choice is free to pick it, and the
-#: shortest round, in steps behind, it may do so in: the modes bench (`python -m benchmarks distributed --parts modes`)
-#: measured one step behind in rounds of 5 and more.
-OVERLAP_KEEPS_QUALITY = True
+#: The shortest round, in steps its exchange travels behind, in which the choice lets it travel behind (a default
+#: from the sync modes' quality rows of docs/performance.md).
 OVERLAP_ROUND = 5
 MODES = ("exact", "compressed", "local")
 
@@ -158,10 +156,11 @@ def choose(
     overlap: int | None = None,
     target: float = TARGET_SHARE,
     max_every: int = MAX_EVERY,
-    overlap_ok: bool = OVERLAP_KEEPS_QUALITY,
+    overlap_ok: bool = True,
 ) -> Choice:
     """The first of `modes` (exact, compressed, local) whose predicted share is at most target; every and overlap,
-    where given, fix local's round (else the fewest steps that meet the target, up to max_every)."""
+    where given, fix local's round (else the fewest steps that meet the target, up to max_every). overlap_ok: the
+    choice may let a round's exchange travel behind the next inner steps."""
     exact = step_share(link, step_s, model_bytes)
     compressed = step_share(link, step_s, model_bytes / 2)
     said = (

@@ -1,4 +1,4 @@
-"""Gradient sync over a torch.distributed process group: the sync object (raytrm.train.sync's contract) that every
+"""Gradient sync over a torch.distributed process group: the sync object (raytrm.sync.contract's contract) that every
 data-parallel worker hands its Trainer, set up by Ray Train or, without Ray, by `raytrm.distributed.launch`.
 
 Compressed (`set_compression(True)`), each bucket travels in bf16 with error feedback: what the rounding leaves out
@@ -248,7 +248,7 @@ class Flat:
 
 
 class TensorSum:
-    """The sum of ProcessGroupSync.sum_tensors, in flight (raytrm.train.sync.PendingSum)."""
+    """The sum of ProcessGroupSync.sum_tensors, in flight (raytrm.sync.contract.PendingSum)."""
 
     def __init__(self, sync: ProcessGroupSync, flats: list[Flat], group: Any) -> None:
         self.sync, self.flats = sync, flats
@@ -274,7 +274,7 @@ class Bucket:
 
     Compressed, a bucket also holds the buffer that travels (`wire`, bf16) and its error feedback (`residual`,
     fp32: what earlier rounds' rounding left unsent); the sum of a round reaches the residual only at `commit`, so a
-    round abandoned part-way (raytrm.train.sync.OverlappedAllReduce.abandon) leaves it as it was.
+    round abandoned part-way (raytrm.sync.contract.OverlappedAllReduce.abandon) leaves it as it was.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], device: torch.device) -> None:
@@ -337,7 +337,7 @@ class Bucket:
 
 
 class OverlappedBuckets:
-    """The overlapped all-reduce (raytrm.train.sync.OverlappedAllReduce) of ProcessGroupSync's buckets, started
+    """The overlapped all-reduce (raytrm.sync.contract.OverlappedAllReduce) of ProcessGroupSync's buckets, started
     during the backward of a step's last micro-batch, bucket by bucket.
 
     A parameter's gradient is final once the last micro-batch's backward has accumulated into it (its

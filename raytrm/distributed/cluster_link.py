@@ -1,5 +1,5 @@
 """The link between a cluster's machines, measured for the tuner: one Ray task per raytrm machine, joined in a gloo
-group, times sums of growing buffers, the probe a run takes at its start (raytrm.train.sync_choice.measure_link).
+group, times sums of growing buffers, the probe a run takes at its start (raytrm.sync.link.measure_link).
 
 `choose_for_cluster` then picks the sync mode and round length that keep the wait under 5% of a step, from that
 link, the model's gradient bytes and the cluster's step: every machine at its tier's measured samples/s, the global
@@ -18,7 +18,7 @@ import torch
 from raytrm import config as cfg
 from raytrm.distributed.ray_train import Node, raytrm_nodes
 from raytrm.errors import UserError
-from raytrm.train.sync_choice import TARGET_SHARE, Link, choose, fewest_steps, measure_link
+from raytrm.sync.link import TARGET_SHARE, Link, choose, fewest_steps, measure_link
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ def probe(rank: int, world_size: int, address: str, port: int, nbytes: int) -> d
     """One machine's part: join the group at address:port, time the sums, leave; returns the fitted link."""
     import torch.distributed as dist
 
-    from raytrm.distributed.process_group import ProcessGroupSync
     from raytrm.hardware import device as devices
+    from raytrm.sync.process_group import ProcessGroupSync
 
     cpu = torch.device(devices.CPU)
     dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size)

@@ -1,8 +1,8 @@
 """Local rounds, the `local` sync mode (DiLoCo-style): each worker takes H inner steps alone on its own samples, then
 the workers average their parameter deltas, weighted by samples, and an outer optimizer applies the average.
 
-A round starts from the synchronized parameters g. Worker i takes k inner steps on its share (the Trainer's
-`steps_alone`: its own samples' mean gradient, its own optimizer), reaching x_i; its delta is (n_i / N) (g - x_i),
+A round starts from the synchronized parameters g. Worker i takes k inner steps on its share (stepping alone: its
+own samples' mean gradient, its own optimizer), reaching x_i; its delta is (n_i / N) (g - x_i),
 with n_i the samples it trained in the round and N = k B all of them, so one sum over the workers gives the
 sample-weighted mean delta d. The outer optimizer is SGD with Nesterov momentum m on g: v = m v + d,
 g -= lr (d + m v) (plain averaging at lr 1, m 0), and every worker continues from the new g. With inner SGD, H = 1,
@@ -30,9 +30,8 @@ from typing import Any
 import torch
 
 from raytrm.hardware import device as devices
-from raytrm.train.optim import SignSGD
-from raytrm.train.sync import Done, PendingSum
-from raytrm.train.trainer import Trainer
+from raytrm.sync.contract import Done, GradientSync, PendingSum, Replica
+from raytrm.sync.mode import Mode, Reduced, Scalar, register
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +47,28 @@ def on_cpu(obj: Any) -> Any:
     return obj
 
 
-class LocalRounds:
+@register
+class Local(Mode):
     """The local mode's rounds on one worker (see the module docstring); every rank builds one at the same step."""
 
+    name = "local"
+    steps_alone = True
+
     def __init__(
-        self, trainer: Trainer, every: int, *, outer_lr: float, outer_momentum: float, overlap: int = 0
+        self,
+        replica: Replica,
+        sync: GradientSync,
+        every: int,
+        *,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        overlap: int = 0,
     ) -> None:
-        if every < 1 or not 0 <= overlap < max(every, 1):
-            raise ValueError(f"rounds of {every} steps with an overlap of {overlap}: expected 0 <= overlap < every")
-        self.trainer, self.sync = trainer, trainer.sync
-        self.every, self.overlap = every, overlap
+        super().__init__(replica, sync)
+        self.configure(every, overlap)
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
-        self.names = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
-        self.params = [p for p in trainer.model.parameters() if p.requires_grad]
+        self.names = [n for n, p in replica.model.named_parameters() if p.requires_grad]
+        self.params = [p for p in replica.model.parameters() if p.requires_grad]
         with torch.no_grad():
             self.globals = [p.detach().clone() for p in self.params]
         self.deltas = [torch.zeros_like(p) for p in self.params]
@@ -71,19 +79,39 @@ class LocalRounds:
         self._in_flight: PendingSum | None = None
         self._left = 0  # inner steps until the sum in flight is awaited
         self._sent: list[torch.Tensor] | None = None  # this worker's parameters when the deltas left
-        optimizer = trainer.sparse_optimizer
+        optimizer = replica.sparse_optimizer
         self.rows = RoundRows(optimizer, self.sync) if optimizer is not None else None
-        trainer.steps_alone = True
+
+    def configure(self, every: int, overlap: int) -> None:
+        """Rounds of `every` inner steps, the exchange travelling behind `overlap` of them (from the next round)."""
+        if every < 1 or not 0 <= overlap < max(every, 1):
+            raise ValueError(f"rounds of {every} steps with an overlap of {overlap}: expected 0 <= overlap < every")
+        self.every, self.overlap = every, overlap
 
     @property
     def in_flight(self) -> bool:
         return self._in_flight is not None
 
+    @property
+    def boundary(self) -> bool:
+        return self.steps == 0
+
+    def reduce(self, loss: Scalar, totals: dict[str, Scalar]) -> Reduced:
+        """This worker's own sums; its gradient scaled to its own samples' mean (the task divided by the global
+        batch's count, so the accumulated gradient is b_i / B of that mean)."""
+        replica = self.replica
+        if self.sync.world_size == 1:
+            return super().reduce(loss, totals)
+        for p in replica.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(replica.global_batch / replica.local_batch)
+        return Reduced(loss, totals, replica.local_batch)
+
     def after_step(self) -> float:
         """Count the inner step just taken; land the update in flight when due, close the round when due. Returns
         the seconds spent on the exchange."""
         self.steps += 1
-        self.samples += self.trainer.local_batch
+        self.samples += self.replica.local_batch
         self.owed += 1
         waited = 0.0
         if self._in_flight is not None:
@@ -91,16 +119,16 @@ class LocalRounds:
             if self._left <= 0:
                 waited += self._land()
         if self.steps >= self.every:
-            waited += self.close(wait=False)
+            waited += self.end_round(wait=False)
         return waited
 
-    def close(self, wait: bool = True) -> float:
+    def end_round(self, wait: bool = True) -> float:
         """End the round: start summing the weighted deltas (and exchange the rows); the update lands now, or after
         `overlap` more steps unless `wait`. Returns the seconds spent."""
         waited = self._land() if self._in_flight is not None else 0.0
         if self.steps == 0:
             return waited
-        weight = self.samples / (self.steps * self.trainer.global_batch)
+        weight = self.samples / (self.steps * self.replica.global_batch)
         with torch.no_grad():
             for d, g, p in zip(self.deltas, self.globals, self.params, strict=True):
                 d.copy_(g).sub_(p).mul_(weight)
@@ -132,8 +160,8 @@ class LocalRounds:
                 for p, g, sent in zip(self.params, self.globals, self._sent, strict=True):
                     p.add_(g - sent)
         self._sent = None
-        if self.trainer.ema is not None and self.owed:
-            self.trainer.ema.fold(zip(self.names, self.globals, strict=True), self.owed)
+        if self.replica.ema is not None and self.owed:
+            self.replica.ema.fold(zip(self.names, self.globals, strict=True), self.owed)
         self.owed = 0
         return waited
 
@@ -150,11 +178,11 @@ class LocalRounds:
             for g, d in zip(self.globals, self.deltas, strict=True):
                 g.sub_(d, alpha=self.outer_lr)
 
-    def end(self) -> float:
+    def leave(self) -> float:
         """Leave the local mode: land everything, then average the workers' inner optimizer states, so the exact
         steps that follow move every worker alike. Returns the seconds spent."""
-        waited = self.close(wait=True)
-        state = self.trainer.optimizer.state
+        waited = self.end_round(wait=True)
+        state = self.replica.optimizer.state
         moments = [v for p in self.params for v in state.get(p, {}).values() if torch.is_tensor(v) and v.dim() > 0]
         if moments:
             waited += self.sync.sum_tensors(moments).wait()
@@ -163,7 +191,6 @@ class LocalRounds:
                     v.div_(self.sync.world_size)
         if self.rows is not None:
             self.rows.close()
-        self.trainer.steps_alone = False
         return waited
 
     # -- checkpoints -------------------------------------------------------------------------------------------------
@@ -178,7 +205,7 @@ class LocalRounds:
         mine = {
             "params": [p.detach() for p in self.params],
             "sent": self._sent,
-            "optimizer": self.trainer.optimizer.state_dict(),
+            "optimizer": self.replica.optimizer.state_dict(),
             "samples": self.samples,
             "rows": self.rows.state_dict() if self.rows is not None else None,
         }
@@ -191,13 +218,15 @@ class LocalRounds:
             "owed": self.owed,
             "pending": self.deltas if self._in_flight is not None else None,
             "left": self._left,
-            "ema": self.trainer.ema.state_dict() if with_ema and self.trainer.ema is not None else None,
+            "ema": self.replica.ema.state_dict() if with_ema and self.replica.ema is not None else None,
         }
         return {**on_cpu(shared), "workers": self.sync.gather_objects(on_cpu(mine))}
 
-    def load_state_dict(self, state: dict[str, Any], landed: bool = False) -> None:
+    def load_state_dict(self, state: dict[str, Any] | None, landed: bool = False) -> None:
         """Continue saved rounds (after the Trainer loaded rank 0's model and optimizer). landed: the run landed this
         round at its end, after saving it, so on another number of workers its model (the Trainer's) goes on."""
+        if state is None:
+            return
         device = self.params[0].device
         workers = state["workers"]
         same = len(workers) == self.sync.world_size
@@ -214,8 +243,8 @@ class LocalRounds:
                 for d, saved in zip(self.deltas, state["pending"], strict=True):
                     d.copy_(saved)
         self.owed = int(state["owed"])
-        if state.get("ema") is not None and self.trainer.ema is not None:
-            self.trainer.ema.load_state_dict(state["ema"])
+        if state.get("ema") is not None and self.replica.ema is not None:
+            self.replica.ema.load_state_dict(state["ema"])
         if self.rows is not None:
             self.rows.load_state_dict([w["rows"] for w in workers], self.sync.rank if same else None)
         if same:
@@ -223,7 +252,7 @@ class LocalRounds:
             with torch.no_grad():
                 for p, saved in zip(self.params, mine["params"], strict=True):
                     p.copy_(saved)
-            self.trainer.optimizer.load_state_dict(mine["optimizer"])
+            self.replica.optimizer.load_state_dict(mine["optimizer"])
             self.steps, self.samples = int(state["steps"]), int(mine["samples"])
             if state["pending"] is not None:
                 self._in_flight, self._left = Done(), int(state["left"])
@@ -253,7 +282,7 @@ class RoundRows:
     are recorded, and moved by this worker alone.
     """
 
-    def __init__(self, optimizer: SignSGD, sync: Any) -> None:
+    def __init__(self, optimizer: Any, sync: GradientSync) -> None:
         self.optimizer, self.sync = optimizer, sync
         self.tables = [e.weight for e in optimizer.embeddings]
         self.touched = [torch.zeros(t.shape[0], dtype=torch.bool, device=t.device) for t in self.tables]

@@ -1,20 +1,22 @@
-"""The sync contract: what the Trainer asks of its fellow data-parallel workers, and the one-worker case.
+"""The sync contract: the collectives a data-parallel worker is handed, the one-worker case, and what a sync mode
+needs of the worker it serves.
 
-The Trainer never imports Ray or calls torch.distributed itself: it asks the sync object it is handed to sum
-gradients, gather the puzzle embedding's sparse rows, sum metrics and move carry slots. `LocalSync` is the
-one-process case (every call returns its input); implementations over a process group live in raytrm.distributed.
+The Trainer never imports Ray or calls torch.distributed itself: it is handed a `GradientSync` (the collectives:
+sum gradients, gather the puzzle embedding's sparse rows, sum metrics, move carry slots) and builds its sync
+strategy (raytrm.sync.strategy) over it. `LocalSync` is the one-process case (every call returns its input);
+`raytrm.sync.process_group.ProcessGroupSync` is the same contract over a torch.distributed group.
 
 Every worker divides its loss by the whole global batch's count (the task's rule), so worker i's gradient is already
 (b_i / B) g_i and the exact global gradient is a plain sum: no weights to get wrong, whatever the shares.
 
-The sync modes (raytrm.train.sync_modes) ask two more things of it: the gradient sum compressed to bf16 with error
+The sync modes ask two more things of it: the gradient sum compressed to bf16 with error
 feedback (`set_compression`, each worker's residual in `compression_state`), and the sum of any tensors, started
 now and awaited later (`sum_tensors`), which carries a local round's parameter deltas and times the link.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -116,3 +118,28 @@ class LocalSync:
 
     def load_compression_state(self, residual: torch.Tensor | None) -> None:
         pass
+
+
+class Averaged(Protocol):
+    """The EMA of the weights, as a local round updates it: folded in once per inner step a landed update covers."""
+
+    def fold(self, named: Iterable[tuple[str, torch.Tensor]], steps: int) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Replica(Protocol):
+    """What a sync mode needs of the worker it serves (the Trainer is one): its model and optimizers, its share of
+    the global batch, and the device its tensors live on."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    #: SignSGD of the puzzle embedding's rows (its `embeddings` and its row exchange, `gather`), or None.
+    sparse_optimizer: Any
+    ema: Averaged | None
+    device: torch.device
+    global_batch: int
+    step: int
+
+    @property
+    def local_batch(self) -> int: ...
