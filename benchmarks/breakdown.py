@@ -9,7 +9,7 @@ its products zero).
 CPU only: there each op's self time is the time its thread spent in it. On a GPU, time belongs to kernels that ops
 launch asynchronously, and a compiled step's kernels are inductor's; the README's GPU analysis used traces.
 
-raytrm's CPU step runs its micro-batches side by side, one per thread (raytrm.train.threaded), so the profiler
+raytrm's CPU step runs its micro-batches side by side, one per thread (raytrm.train.side_by_side), so the profiler
 watches every thread: the worker threads' self times, each thread on its own core, are divided by their number to
 give seconds of the step, and their products' rates are the threads' together, as the ceiling is. Where torch's
 profiler cannot watch other threads, the step runs its micro-batches one after another, as under any profiler.

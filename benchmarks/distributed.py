@@ -176,7 +176,7 @@ def bench_ray(config: cfg.ExperimentConfig, work_dir: Path, repeats: int) -> lis
 
     from raytrm.distributed.cluster import connect
     from raytrm.distributed.ray_train import train_distributed, worker_config
-    from raytrm.train.run import run_training
+    from raytrm.train.run.training import run_training
 
     # The plain run gets exactly what the one Ray worker will run with: this machine's tier fills the same fields.
     job = {"config": config, "machines": {}, "explicit": [], "workers_per_machine": 1}

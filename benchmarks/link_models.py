@@ -58,7 +58,7 @@ def trm_model(
     """`raytrm train`'s default TRM (mlp_t on generated Sudoku) at `hidden`, its dataset generated into work_dir."""
     from benchmarks.transformer import caches_in
     from raytrm.data.cache import dataset_dir_for
-    from raytrm.train.defaults import DEFAULT_EXPERIMENT
+    from raytrm.train.run.experiment import DEFAULT_EXPERIMENT
 
     base = copy.deepcopy(DEFAULT_EXPERIMENT)
     data = cfg.from_dict(cfg.DataConfig, {**base["data"], "train_puzzles": train_puzzles, "augment": augment})

@@ -19,8 +19,8 @@ from raytrm import config as cfg
 from raytrm.data.build import build_dataset
 from raytrm.hardware.pressure import MemoryReader
 from raytrm.hardware.thermal import ThermalReader
-from raytrm.train.memory import fit
-from raytrm.train.peak import PeakMemory, trim_heap
+from raytrm.train.memory.fit import fit
+from raytrm.train.memory.peak import PeakMemory, trim_heap
 from raytrm.train.trainer import Trainer
 
 PROBES = (4, 8, 16)

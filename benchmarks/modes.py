@@ -23,7 +23,7 @@ from benchmarks.distributed import Row
 from raytrm import config as cfg
 from raytrm.distributed.launch import spawn
 from raytrm.sync.process_group import ProcessGroupSync
-from raytrm.train.run import run_training
+from raytrm.train.run.training import run_training
 
 logger = logging.getLogger(__name__)
 

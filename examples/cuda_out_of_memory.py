@@ -26,7 +26,7 @@ import torch
 
 from raytrm import config as cfg
 from raytrm.data.build import build_dataset
-from raytrm.train.run import run_training
+from raytrm.train.run.training import run_training
 
 
 def experiment(data: str, budget_mb: int) -> cfg.ExperimentConfig:

@@ -47,7 +47,7 @@ sys.exit(code)
 def _prepare_data(flags: list[str], env: dict[str, str]) -> None:
     """Generate the run's dataset into the fresh cache dir, outside the timed runs."""
     code = (
-        "import sys; from raytrm.cli import build_parser, _overrides; from raytrm.train.defaults import "
+        "import sys; from raytrm.cli import build_parser, _overrides; from raytrm.train.run.experiment import "
         "resolve_experiment; from raytrm.data.cache import open_dataset_for; "
         "args = build_parser().parse_args(['train', *sys.argv[1:]]); "
         "e, _ = resolve_experiment(config_file=args.config, profile_file=None, out=None, resume=False, "

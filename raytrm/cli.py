@@ -123,9 +123,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, dict[str, object]]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from raytrm.train.defaults import resolve_experiment
-    from raytrm.train.run import run_training
-    from raytrm.train.run_dir import claim_run_dir
+    from raytrm.train.run.directory import claim_run_dir
+    from raytrm.train.run.experiment import resolve_experiment
+    from raytrm.train.run.training import run_training
 
     profiles = args.profile or []
     distributed = args.workers is not None or args.address is not None
@@ -227,7 +227,7 @@ def _rates(summary: dict, tokens: str) -> str:
 
 def cmd_data(args: argparse.Namespace) -> int:
     from raytrm.data.build import build_dataset
-    from raytrm.train.run_dir import guard_output
+    from raytrm.train.run.directory import guard_output
 
     if not Path(args.out).is_file():  # a file there is refused by the dataset's own check, which keeps it
         guard_output(args.out, directory=True)  # never into a run's checkpoints or over a run's own directory
@@ -248,7 +248,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_import_checkpoint(args: argparse.Namespace) -> int:
-    from raytrm.train.reference import import_reference
+    from raytrm.train.run.reference_checkpoints import import_reference
 
     path = import_reference(args.checkpoint, args.out, config_file=args.config)
     print(f"imported {args.checkpoint} into {path}; continue with `raytrm train --out {args.out} --resume`")
@@ -256,7 +256,7 @@ def cmd_import_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_export_checkpoint(args: argparse.Namespace) -> int:
-    from raytrm.train.reference import export_reference
+    from raytrm.train.run.reference_checkpoints import export_reference
 
     path = export_reference(args.run_dir, args.out, ema=not args.raw_weights)
     print(f"wrote {path} in the TRM reference layout")

@@ -26,6 +26,21 @@ THERMAL_STATES = ("nominal", "fair", "serious", "critical")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 SYNC_MODES = ("auto", "exact", "compressed", "local")
+#: What a resumed run may change: how long it goes on.
+RESUMABLE_CHANGES = {("training", "steps"), ("training", "time_budget_s")}
+#: Training fields that belong to a machine, not to the experiment: a distributed run's workers take them from the
+#: profile of their tier, or from their tier; a checkpoint may be resumed with other values of them.
+MACHINE_SETTINGS = (
+    "micro_batch_size",
+    "grad_accum_steps",
+    "threads",
+    "interop_threads",
+    "dataloader_workers",
+    "memory_budget_mb",
+    "thermal_cap",
+    "thermal_action",
+    "device",
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -215,7 +230,7 @@ class TrainConfig:
     eval_interval: int | None = spec(None, "steps between evaluations; None = only at the end", ge=1)
     checkpoint_interval: int | None = spec(None, "steps between checkpoints; None = only at the end", ge=1)
     seed: int = spec(0, "seed of weights, data order and halting exploration")
-    # -- training health (raytrm.train.health): live checks of the loss and the gradient --
+    # -- training health (raytrm.train.run.health): live checks of the loss and the gradient --
     health_checks: bool = spec(
         True, "warn, with the fix, when the run is not learning, goes non-finite, spikes, rises or plateaus"
     )

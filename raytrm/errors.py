@@ -10,6 +10,10 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxlong, _SHORT.maxother = 2, 60, 40, 
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 5
 
 
+#: The fields an error lists before "(and N more fields)": more would bury the first in a line nobody reads to its end.
+SHOWN_FIELDS = 6
+
+
 class UserError(Exception):
     """Bad input from the user: a file, a flag, a dataset, an address.
 

@@ -28,17 +28,8 @@ from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-#: Training fields that belong to a machine, not to the experiment: each worker takes them from its own tier.
-MACHINE_FIELDS = (
-    "micro_batch_size",
-    "threads",
-    "interop_threads",
-    "dataloader_workers",
-    "memory_budget_mb",
-    "thermal_cap",
-    "thermal_action",
-    "device",
-)
+#: The machine settings each worker takes from its own tier (the accumulation follows from the micro-batch it takes).
+MACHINE_FIELDS = tuple(name for name in cfg.MACHINE_SETTINGS if name != "grad_accum_steps")
 
 
 @dataclasses.dataclass
@@ -168,8 +159,8 @@ def train_distributed(
     """
     from raytrm.distributed.cluster import connect
     from raytrm.distributed.run_logs import DriverLogs
-    from raytrm.train.run import SUMMARY_FILE, check_resume
-    from raytrm.train.run_dir import check_new_run_dir
+    from raytrm.train.run.directory import check_new_run_dir
+    from raytrm.train.run.training import SUMMARY_FILE, check_resume
 
     if workers is not None and workers < 1:
         raise UserError(f"--workers {workers}: expected a number of workers >= 1")
@@ -325,7 +316,7 @@ def _node_tier() -> str:
 def worker_config(job: dict, tier: str) -> cfg.ExperimentConfig:
     """The experiment with this worker's machine settings: its tier's profile (over everything but flags), else
     its own tier's defaults where the experiment leaves a setting unset."""
-    from raytrm.train.defaults import fill_from_tier
+    from raytrm.train.run.experiment import fill_from_tier
 
     config: cfg.ExperimentConfig = job["config"]
     training = cfg.to_dict(config.training)
@@ -335,7 +326,7 @@ def worker_config(job: dict, tier: str) -> cfg.ExperimentConfig:
     else:
         from raytrm.hardware.probe import detect
         from raytrm.hardware.tiers import match_tier
-        from raytrm.train.defaults import tier_settings
+        from raytrm.train.run.experiment import tier_settings
 
         own = match_tier(detect())
         settings = tier_settings(own)
@@ -363,7 +354,7 @@ def _worker_loop(job: dict) -> None:
     from raytrm.sync.process_group import ProcessGroupSync
     from raytrm.sync.shares import split
     from raytrm.train import checkpoint as ckpt
-    from raytrm.train.run import CHECKPOINT_DIR, run_training
+    from raytrm.train.run.training import CHECKPOINT_DIR, run_training
 
     rank = ray.train.get_context().get_world_rank()
     run_dir = Path(job["run_dir"])

@@ -13,7 +13,7 @@ from raytrm.models.layers import (
 )
 from raytrm.models.losses import IGNORE_LABEL_ID, act_loss, stablemax_cross_entropy
 from raytrm.models.ops import rms_norm
-from raytrm.models.reference_io import (
+from raytrm.models.reference_layout import (
     from_reference_state_dict,
     load_reference_checkpoint,
     save_reference_checkpoint,

@@ -18,8 +18,8 @@ from raytrm.report.diagnosis import NOT_RECORDED, Finding, diagnose, log_lines
 from raytrm.report.plots import write_run_plots
 from raytrm.report.runs import RunRecord, load_run
 from raytrm.report.sync import sync_lines
-from raytrm.train.run import CONFIG_FILE, METRICS_FILE
-from raytrm.train.run_dir import guard_output
+from raytrm.train.run.directory import guard_output
+from raytrm.train.run.training import CONFIG_FILE, METRICS_FILE
 
 REPORT_DIR, DIAGNOSIS_FILE, TUNING_FILE = "report", "diagnosis.txt", "tuning.txt"
 

@@ -15,8 +15,8 @@ from typing import Any
 from raytrm.config import THERMAL_STATES
 from raytrm.distributed.run_logs import DRIVER_LOG, LOGS_DIR
 from raytrm.report.runs import RunRecord
-from raytrm.train import health
-from raytrm.train.thermal_guard import GuardSettings
+from raytrm.train.run import health
+from raytrm.train.run.thermal_guard import GuardSettings
 
 #: A peak under half the budget leaves as much memory unused as the step uses: the micro-batch could at least double
 #: before the governor's own target (90% of the budget), which is what a tuned profile would spend.

@@ -25,7 +25,7 @@ from raytrm import config as cfg
 from raytrm.config import THERMAL_STATES
 from raytrm.errors import ConfigError, UserError
 from raytrm.schema import check_fields, read_json
-from raytrm.train.run import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from raytrm.train.run.training import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Every rank gathers the same measurements and runs the same deterministic balancer on them, so all ranks reach the
 same shares at the same global-batch boundary without a coordinator. Alone (one worker) nothing is exchanged. The
-training loop's hook (raytrm.train.peers) calls `exchange` after every step, or at a local round's end with the
+training loop's hook (raytrm.train.run.peers) calls `exchange` after every step, or at a local round's end with the
 round's steps.
 """
 

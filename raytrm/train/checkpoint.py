@@ -25,7 +25,7 @@ import torch
 
 from raytrm import __version__
 from raytrm.errors import UserError
-from raytrm.train.oom import is_out_of_memory
+from raytrm.train.memory.oom import is_out_of_memory
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ each refused in one line with its own fix:
   or foreign; the fix is an earlier checkpoint (or a new run).
 
 Trainer.load_state_dict calls it first, so every resume and export checks; a distributed run's driver calls it too,
-before any worker starts (raytrm.train.run.check_resume). The steps a checkpoint claims are checked where it is read
-(raytrm.train.checkpoint.load_checkpoint).
+before any worker starts (raytrm.train.run.training.check_resume). The steps a checkpoint claims are checked where it
+is read (raytrm.train.checkpoint.load_checkpoint).
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ from typing import Any
 import torch
 
 from raytrm import config as cfg
-from raytrm.errors import ConfigError, UserError
-from raytrm.train.defaults import MACHINE_SETTINGS, RESUMABLE_CHANGES, SHOWN
+from raytrm.errors import SHOWN_FIELDS, ConfigError, UserError
 
 #: Training fields in which a checkpoint may differ from the run that restores it: how long the run goes on, and
 #: each machine's settings (a worker of a distributed run takes them from its own tier or profile).
-MAY_DIFFER = {name for _, name in RESUMABLE_CHANGES} | set(MACHINE_SETTINGS)
+MAY_DIFFER = {name for _, name in cfg.RESUMABLE_CHANGES} | set(cfg.MACHINE_SETTINGS)
 
 _MISSING = object()
 
@@ -79,9 +78,9 @@ def _check_config(saved: Any, config: cfg.ExperimentConfig, path: Path, source: 
     ]
     if differ:
         fields = "those fields" if len(differ) > 1 else "that field"
-        more = f" (and {len(differ) - SHOWN} more fields)" if len(differ) > SHOWN else ""
+        more = f" (and {len(differ) - SHOWN_FIELDS} more fields)" if len(differ) > SHOWN_FIELDS else ""
         raise UserError(
-            f"{path}: written for another experiment than {source}: {'; '.join(differ[:SHOWN])}{more}; the "
+            f"{path}: written for another experiment than {source}: {'; '.join(differ[:SHOWN_FIELDS])}{more}; the "
             f"checkpoint is fine: set {fields} in {source} back to the checkpoint's value to resume it, or start a "
             "new run with another --out"
         )

@@ -139,7 +139,7 @@ class Compiled:
                     out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
                 return out
             except Exception as error:
-                from raytrm.train.oom import is_out_of_memory
+                from raytrm.train.memory.oom import is_out_of_memory
 
                 if is_out_of_memory(error):
                     raise

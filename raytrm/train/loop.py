@@ -1,7 +1,8 @@
 """The one training loop: it drives `Trainer.train_step` and asks its hooks around each step.
 
-`raytrm train` (raytrm.train.run), a tuning trial (raytrm.tune.trial) and a learning curve (raytrm.tune.curves) each
-build a Trainer, pick hooks and run this loop; what differs between them is the hooks. One iteration:
+`raytrm train` (raytrm.train.run.training), a tuning trial (raytrm.tune.trial) and a learning curve
+(raytrm.tune.curves) each build a Trainer, pick hooks and run this loop; what differs between them is the hooks. One
+iteration:
 
 1. stop: the run ends when a hook halted it during the last step, or when a hook's stop rule gives a reason;
 2. `before_step`: hooks act before the step (a trial's window opens, due evaluations are taken);
@@ -30,8 +31,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Union
 
-from raytrm.train.peak import PeakMemory, trim_heap
-from raytrm.train.threads import apply_threads
+from raytrm.train.memory.peak import PeakMemory, trim_heap
+from raytrm.train.torch_threads import apply_threads
 from raytrm.train.trainer import StepResult, Trainer
 
 

@@ -38,16 +38,16 @@ from raytrm.sync.contract import GradientSync, LocalSync
 from raytrm.sync.mode import read_sums
 from raytrm.sync.shares import shard, split
 from raytrm.sync.strategy import SyncStrategy
-from raytrm.train import threaded, trainer_state
+from raytrm.train import side_by_side, trainer_state
 from raytrm.train.batches import BatchStream
 from raytrm.train.compile import compile_regions, plan_compile, use_compile_caches
-from raytrm.train.memory import cut
-from raytrm.train.metrics import ResourceSampler
-from raytrm.train.oom import is_out_of_memory
+from raytrm.train.memory.fit import cut
+from raytrm.train.memory.oom import is_out_of_memory
+from raytrm.train.memory.peak import one_heap
 from raytrm.train.optim import ModelEMA, build_optimizer, lr_at, step_weights
-from raytrm.train.peak import one_heap
+from raytrm.train.resources import ResourceSampler
 from raytrm.train.tasks import Scalar, make_task
-from raytrm.train.threads import apply_threads
+from raytrm.train.torch_threads import apply_threads
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +135,8 @@ class Trainer:
         self.strategy = SyncStrategy(self, sync, train, overlaps=self.task.overlaps_sync)
         #: On a CPU with several threads, micro-batches run side by side, one share of the slots per thread (as many
         #: threads as torch has at each step: the thermal guard may halve them).
-        self._threaded = (
-            threaded.ThreadedMicroBatches(self.model) if threaded.available(self.device, bool(self.compiled)) else None
-        )
+        threaded = side_by_side.available(self.device, bool(self.compiled))
+        self._threaded = side_by_side.ThreadedMicroBatches(self.model) if threaded else None
         if self.device.type == devices.CPU and self.dtype == torch.float32:
             logger.info("CPU products: %s", onednn.reason())
         if self._threaded is not None and self.threads["threads"] > 1:
@@ -244,9 +243,9 @@ class Trainer:
             self.model.train()
         totals: dict[str, Scalar] = {}
         loss_sum: Scalar = 0.0
-        threads = threaded.side_by_side(self.local_batch, self.micro_batch, torch.get_num_threads())
-        if self._threaded is not None and threads > 1 and not self.strategy.overlapped and not threaded.observed():
-            groups = threaded.plan(self.local_batch, self.micro_batch, threads)
+        threads = side_by_side.side_by_side(self.local_batch, self.micro_batch, torch.get_num_threads())
+        if self._threaded is not None and threads > 1 and not self.strategy.overlapped and not side_by_side.observed():
+            groups = side_by_side.plan(self.local_batch, self.micro_batch, threads)
             results = self._threaded.run(groups, lambda model, part: self.task.micro_step(batch, part, step, model))
         else:
             results = [self.task.micro_step(batch, part, step) for part in self.strategy.micro_batches(self.slices())]

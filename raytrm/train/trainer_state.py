@@ -15,7 +15,7 @@ import torch
 from raytrm import config as cfg
 from raytrm.sync.shares import shard
 from raytrm.train.checkpoint_fit import check_checkpoint_fits
-from raytrm.train.memory import cut
+from raytrm.train.memory.fit import cut
 from raytrm.train.optim import load_optimizer_state
 
 

@@ -69,9 +69,10 @@ def learning_curve(
     Each point: samples seen, quality, its standard error over the evaluated examples (where the task reports one),
     and the training seconds so far (evaluation not counted). on_point, if given, gets each point as it is measured.
     """
-    from raytrm.train.health import Health
     from raytrm.train.loop import Loop
-    from raytrm.train.schedule import Evaluations, SampleLimit, evaluate_quality
+    from raytrm.train.run.evaluations import Evaluations, evaluate_quality
+    from raytrm.train.run.health import Health
+    from raytrm.train.run.stop_rules import SampleLimit
     from raytrm.train.trainer import Trainer
 
     config = cfg.from_dict(cfg.ExperimentConfig, experiment, "<curve>")

@@ -16,7 +16,7 @@ from typing import Any
 
 from raytrm import config as cfg
 from raytrm.errors import UserError
-from raytrm.train.run_dir import guard_output
+from raytrm.train.run.directory import guard_output
 from raytrm.tune import objectives
 from raytrm.tune.layout import PROFILES_DIR, read_state, read_sync, run_space
 from raytrm.tune.space import SearchSpace, horizon_of

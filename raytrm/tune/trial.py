@@ -6,8 +6,8 @@ kernel's high-water mark on Linux), the hottest thermal state seen ("unknown" wi
 decay from the start to the end of the window, and the validation quality at the end of its budget
 (raytrm.tune.window). With a memory budget the memory governor probes a quarter and a half of the micro-batch
 first; a predicted peak over the budget stops the trial as over budget, with the prediction, rather than letting
-the kernel kill it (raytrm.train.memory_budget). A trial whose health checks find it not learning (its loss at the
-labels' entropy with chance accuracy, or non-finite: raytrm.train.health) stops with status "not_learning", an
+the kernel kill it (raytrm.train.run.memory_budget). A trial whose health checks find it not learning (its loss at the
+labels' entropy with chance accuracy, or non-finite: raytrm.train.run.health) stops with status "not_learning", an
 infeasible point rather than a low quality. A trial that fails reports what it measured and status "failed": it
 never vanishes.
 """
@@ -39,7 +39,7 @@ def resolve_for_node(experiment: dict[str, Any], limits: dict[str, Any]) -> tupl
     """
     from raytrm.hardware.probe import detect
     from raytrm.hardware.tiers import match_tier
-    from raytrm.train.defaults import tier_settings
+    from raytrm.train.run.experiment import tier_settings
 
     experiment, limits = copy.deepcopy(experiment), dict(limits)
     hw = detect()
@@ -100,11 +100,11 @@ def measure(
     evaluate_quality=False measures speed, memory and heat only (a speed trial: quality is left at 0).
     """
     from raytrm.hardware.thermal import ThermalReader
-    from raytrm.train.health import TRIAL_HALTS, Health
     from raytrm.train.loop import Loop
-    from raytrm.train.memory_budget import MemoryBudget
-    from raytrm.train.schedule import Evaluations
-    from raytrm.train.schedule import evaluate_quality as evaluate
+    from raytrm.train.run.evaluations import Evaluations
+    from raytrm.train.run.evaluations import evaluate_quality as evaluate
+    from raytrm.train.run.health import TRIAL_HALTS, Health
+    from raytrm.train.run.memory_budget import MemoryBudget
     from raytrm.train.trainer import Trainer
     from raytrm.tune.curves import horizon_rungs
     from raytrm.tune.window import HeatCap, MeasuredWindow, ProgressReports

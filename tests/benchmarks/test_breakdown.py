@@ -5,7 +5,7 @@ from benchmarks import breakdown as bd
 from benchmarks.trm import bench_trm
 from raytrm.errors import UserError
 from raytrm.fastpaths import onednn
-from raytrm.train import threaded
+from raytrm.train import side_by_side as threaded
 
 
 def test_a_breakdown_finds_every_product_the_flop_counter_counts(tmp_path):

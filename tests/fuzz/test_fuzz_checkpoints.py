@@ -32,7 +32,7 @@ from mutations import (
 )
 
 from raytrm import config as cfg
-from raytrm.models.reference_io import load_reference_checkpoint
+from raytrm.models.reference_layout import load_reference_checkpoint
 from raytrm.train import checkpoint as ckpt
 from raytrm.train.trainer import Trainer
 

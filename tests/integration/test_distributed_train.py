@@ -16,8 +16,8 @@ from raytrm.data.build import build_dataset
 from raytrm.distributed.ray_train import train_distributed
 from raytrm.errors import UserError
 from raytrm.train import checkpoint as ckpt
-from raytrm.train.metrics import read_metrics
-from raytrm.train.run import run_training
+from raytrm.train.run.metrics import read_metrics
+from raytrm.train.run.training import run_training
 
 TIER_A, TIER_B = "macbook-air-8gb", "mac-desktop-16gb"  # the conftest's two logical nodes
 

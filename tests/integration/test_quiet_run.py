@@ -38,7 +38,7 @@ def test_a_quiet_run_on_two_workers_shows_its_warnings_and_summary_and_logs_the_
     assert len(out) == 4 and out[0].startswith("trained 3 steps on 2 workers"), out
     assert out[-1].startswith(f"run directory {run}: ")
     assert err and all(WORKER_WARNING.match(line) for line in err), err
-    (frozen,) = [line for line in err if "raytrm.train.health [worker 0]: step 3: the updates moved" in line]
+    (frozen,) = [line for line in err if "raytrm.train.run.health [worker 0]: step 3: the updates moved" in line]
     assert frozen.endswith("raise training.lr (--lr): 1e-12 is far below the size rule's 0.003 for this model")
 
     logs = run / "logs"
@@ -48,7 +48,7 @@ def test_a_quiet_run_on_two_workers_shows_its_warnings_and_summary_and_logs_the_
     for rank in (0, 1):
         worker = (logs / f"worker-{rank}.log").read_text()
         assert f"INFO raytrm.distributed.ray_train: worker {rank} on tier " in worker
-    assert "WARNING raytrm.train.health: step 3: the updates moved" in (logs / "worker-0.log").read_text()
+    assert "WARNING raytrm.train.run.health: step 3: the updates moved" in (logs / "worker-0.log").read_text()
 
     report = raytrm("report", str(run), env=env)
     assert report.returncode == 0, report.stderr

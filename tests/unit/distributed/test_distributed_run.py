@@ -19,8 +19,8 @@ from raytrm import config as cfg
 from raytrm.distributed.launch import spawn
 from raytrm.sync.process_group import ProcessGroupSync
 from raytrm.train import checkpoint as ckpt
-from raytrm.train.metrics import read_metrics
-from raytrm.train.run import run_training
+from raytrm.train.run.metrics import read_metrics
+from raytrm.train.run.training import run_training
 
 pytestmark = pytest.mark.slow  # worker processes: tens of seconds per file
 

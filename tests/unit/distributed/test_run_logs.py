@@ -44,9 +44,10 @@ def logging_state():
 
 def test_a_workers_raytrm_line_and_the_progress_line_read_as_the_terminals_and_rays_lines_do_not():
     formatter = logging.Formatter(run_logs.WORKER_FORMAT.format(rank=3), run_logs.TIME_FORMAT)
-    record = logging.LogRecord("raytrm.train.health", logging.WARNING, __file__, 1, "step 2: loss is 367", None, None)
+    name = "raytrm.train.run.health"
+    record = logging.LogRecord(name, logging.WARNING, __file__, 1, "step 2: loss is 367", None, None)
     line = formatter.format(record)
-    assert line.endswith(" WARNING raytrm.train.health [worker 3]: step 2: loss is 367") and TERMINAL.search(line)
+    assert line.endswith(" WARNING raytrm.train.run.health [worker 3]: step 2: loss is 367") and TERMINAL.search(line)
     assert TERMINAL.search("step 3/4  75% | samples/s 64.37 loss 2.559")
     assert not any(TERMINAL.search(line) for line in RAY_LINES)
     ray_record = logging.LogRecord("ray.train", logging.WARNING, __file__, 1, "a Ray warning", None, None)
@@ -58,15 +59,16 @@ def test_a_quiet_worker_writes_its_info_lines_to_its_file_and_only_warnings_to_i
 ):
     path = worker_logs(tmp_path, 1, quiet=True, level="INFO")
     assert path == tmp_path / "logs" / "worker-1.log"
-    logging.getLogger("raytrm.train.adaptive").info("step 3: choose micro-batch 16 -> 32")
-    logging.getLogger("raytrm.train.health").warning("step 3: the loss cannot move")
+    logging.getLogger("raytrm.train.memory.governor").info("step 3: choose micro-batch 16 -> 32")
+    logging.getLogger("raytrm.train.run.health").warning("step 3: the loss cannot move")
     logging.getLogger("somelib").info("a library's info line")
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].endswith(" WARNING raytrm.train.health [worker 1]: step 3: the loss cannot move")
+    line = " WARNING raytrm.train.run.health [worker 1]: step 3: the loss cannot move"
+    assert len(err) == 1 and err[0].endswith(line)
     assert TERMINAL.search(err[0])
     written = path.read_text()
-    assert "INFO raytrm.train.adaptive: step 3: choose micro-batch 16 -> 32" in written
-    assert "WARNING raytrm.train.health: step 3: the loss cannot move" in written
+    assert "INFO raytrm.train.memory.governor: step 3: choose micro-batch 16 -> 32" in written
+    assert "WARNING raytrm.train.run.health: step 3: the loss cannot move" in written
     assert "INFO somelib: a library's info line" in written
 
 
@@ -93,7 +95,7 @@ def test_rays_handlers_on_a_worker_keep_rays_warnings_and_leave_raytrms_lines_an
 
     assert passes("ray.train._internal.context", logging.WARNING)
     assert not passes("ray.train._internal.context", logging.INFO)
-    assert not passes("raytrm.train.health", logging.WARNING)  # the worker's own console writes it, in its format
+    assert not passes("raytrm.train.run.health", logging.WARNING)  # the worker's own console writes it, in its format
 
 
 def test_the_drivers_terminal_keeps_raytrms_lines_from_its_level_rays_from_error_the_rest_from_warning():
@@ -102,7 +104,7 @@ def test_the_drivers_terminal_keeps_raytrms_lines_from_its_level_rays_from_error
     def passes(name: str, level: int) -> bool:
         return terminal.filter(logging.LogRecord(name, level, __file__, 1, "m", None, None))
 
-    assert passes("raytrm.train.health", logging.WARNING) and not passes("raytrm.distributed.cluster", logging.INFO)
+    assert passes("raytrm.train.run.health", logging.WARNING) and not passes("raytrm.distributed.cluster", logging.INFO)
     assert not passes("ray._private.authentication.authentication_token_setup", logging.WARNING)
     assert passes("ray.train", logging.ERROR)
     assert passes("somelib", logging.WARNING) and not passes("somelib", logging.INFO)
@@ -129,7 +131,7 @@ def test_a_quiet_driver_holds_its_lines_until_the_run_directory_is_checked_then_
     logs.forwarded(
         {"pid": 14545, "ip": "10.0.0.2", "actor_name": "TrainController", "is_err": True, "lines": RAY_LINES}
     )
-    worker = "22:40:21 WARNING raytrm.train.health [worker 0]: step 2: loss is 367"
+    worker = "22:40:21 WARNING raytrm.train.run.health [worker 0]: step 2: loss is 367"
     logs.forwarded({"pid": 14724, "ip": "10.0.0.2", "actor_name": "RayTrainWorker", "is_err": True, "lines": [worker]})
     logs.close()
     err = capsys.readouterr().err.splitlines()

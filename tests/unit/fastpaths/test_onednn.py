@@ -141,7 +141,7 @@ def test_a_weight_written_in_place_is_packed_again():
     assert_current()
     layer.load_state_dict({"weight": torch.randn(40, 48)})
     assert_current()
-    # A replica's weight on the same storage (raytrm.train.threaded) sees the model's updates.
+    # A replica's weight on the same storage (raytrm.train.side_by_side) sees the model's updates.
     replica = torch.nn.Parameter(layer.weight.detach())
     onednn.linear(x, replica)
     with torch.no_grad():

@@ -13,7 +13,7 @@ from raytrm import config as cfg
 from raytrm.cli import main
 from raytrm.report import load_run, write_report
 from raytrm.report.diagnosis import diagnose
-from raytrm.train.run import run_training
+from raytrm.train.run.training import run_training
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -28,8 +28,8 @@ from raytrm.cli import main
 from raytrm.errors import UserError
 from raytrm.models.trm import TRM
 from raytrm.train import checkpoint as ckpt
-from raytrm.train.metrics import read_metrics
-from raytrm.train.run import run_training
+from raytrm.train.run.metrics import read_metrics
+from raytrm.train.run.training import run_training
 from raytrm.tune import objectives
 from raytrm.tune.search import record
 from raytrm.tune.space import build_experiment, load_space
@@ -45,7 +45,7 @@ CHILD = textwrap.dedent("""
     import os, stat, sys, tempfile, time
     from raytrm import config as cfg
     from raytrm.train import checkpoint
-    from raytrm.train.run import run_training
+    from raytrm.train.run.training import run_training
 
     config_file, run_dir, stall, nth = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     writes = []

@@ -6,7 +6,7 @@ import pytest
 
 from raytrm import config as cfg
 from raytrm.data.build import build_dataset
-from raytrm.train.run import run_training
+from raytrm.train.run.training import run_training
 
 # On this setup (seeds 0 and 1, 45 givens) 100 steps reached 0.75-0.78 cell accuracy against 0.556 for copying the
 # givens: a gain of about 0.2. The margin asked for is half of that. Evaluation covers 100 puzzles x 36 blank cells,

@@ -8,8 +8,9 @@ import pytest
 from raytrm import config as cfg
 from raytrm.train.loop import ORDER, Cut, Hook, Loop, Pause, Scale, Stop, Threads
 from raytrm.train.optim import lr_at
-from raytrm.train.run import run_training
-from raytrm.train.schedule import Evaluations, SampleLimit, StepLimit
+from raytrm.train.run.evaluations import Evaluations
+from raytrm.train.run.stop_rules import SampleLimit, StepLimit
+from raytrm.train.run.training import run_training
 from raytrm.train.trainer import Trainer
 
 

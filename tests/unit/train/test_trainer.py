@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from raytrm.train import checkpoint as ckpt
-from raytrm.train.metrics import read_metrics
-from raytrm.train.run import run_training
+from raytrm.train.run.metrics import read_metrics
+from raytrm.train.run.training import run_training
 from raytrm.train.trainer import Trainer
 
 TIMING_FIELDS = {"samples_per_sec", "rss_mb", "peak_rss_mb", "cpu_percent"}

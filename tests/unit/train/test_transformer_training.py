@@ -12,8 +12,8 @@ import torch
 from raytrm import config as cfg
 from raytrm.cli import main
 from raytrm.train import checkpoint as ckpt
-from raytrm.train.metrics import read_metrics
-from raytrm.train.run import run_training
+from raytrm.train.run.metrics import read_metrics
+from raytrm.train.run.training import run_training
 from raytrm.train.trainer import Trainer
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "big", "small", "red", "quickly"]
@@ -190,7 +190,7 @@ def test_the_cli_trains_a_transformer_and_prints_its_scores(corpora, tmp_path, c
 def test_memory_adaptation_and_out_of_memory_redo_change_nothing_learned(small, tmp_path, fail_forward):
     from raytrm.hardware.pressure import MemoryReading
     from raytrm.models.transformer import Transformer
-    from raytrm.train.adaptive import GovernorSettings
+    from raytrm.train.memory.governor import GovernorSettings
 
     class ScriptedPressure:
         calls = 0

@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from raytrm import config as cfg
-from raytrm.train.schedule import evaluate_quality
+from raytrm.train.run.evaluations import evaluate_quality
 from raytrm.train.tasks import _standard_error
 from raytrm.train.trainer import Trainer
 from raytrm.tune.curves import extrapolate, is_speed_knob, learning_curve, quality_at, rungs

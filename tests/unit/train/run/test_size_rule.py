@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from raytrm.config import ModelConfig
-from raytrm.train.size_rule import ANCHORS, size_rule
+from raytrm.train.run.size_rule import ANCHORS, size_rule
 
 
 @pytest.mark.parametrize(

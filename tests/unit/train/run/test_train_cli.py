@@ -11,7 +11,7 @@ from raytrm import config as cfg
 from raytrm.cli import main
 from raytrm.errors import UserError
 from raytrm.train import checkpoint as ckpt
-from raytrm.train.defaults import resolve_experiment
+from raytrm.train.run.experiment import resolve_experiment
 
 
 def one_error_line(capsys) -> str:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from raytrm.train import threaded
+from raytrm.train import side_by_side as threaded
 from raytrm.train.trainer import Trainer
 
 needs_per_thread_counts = pytest.mark.skipif(

@@ -8,9 +8,9 @@ import torch
 
 from raytrm import config as cfg
 from raytrm.errors import UserError
-from raytrm.models.reference_io import load_reference_checkpoint, save_reference_checkpoint
+from raytrm.models.reference_layout import load_reference_checkpoint, save_reference_checkpoint
 from raytrm.train import checkpoint as ckpt
-from raytrm.train.run_dir import CHECKPOINT_DIR, CONFIG_FILE, check_new_run_dir, guard_output, resumable_config
+from raytrm.train.run.directory import CHECKPOINT_DIR, CONFIG_FILE, check_new_run_dir, guard_output, resumable_config
 from raytrm.train.trainer import Trainer
 
 

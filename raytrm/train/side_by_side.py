@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from raytrm.models.layers import SparseEmbedding
-from raytrm.train.memory import even
+from raytrm.train.memory.fit import even
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from raytrm.train.memory import MemoryFit, fit
+from raytrm.train.memory.fit import MemoryFit, fit
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from raytrm.train import tensorboard
-from raytrm.train.metrics import MetricsLog, read_metrics
-from raytrm.train.run import run_training
+from raytrm.train.run import tensorboard
+from raytrm.train.run.metrics import MetricsLog, read_metrics
+from raytrm.train.run.training import run_training
 
 
 def event_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:

@@ -9,7 +9,7 @@ import torch
 
 from raytrm.errors import UserError
 from raytrm.train import checkpoint as ckpt
-from raytrm.train.run_dir import check_new_run_dir, claim_run_dir, guard_output, move_aside, run_contents
+from raytrm.train.run.directory import check_new_run_dir, claim_run_dir, guard_output, move_aside, run_contents
 
 
 def make_run(path, checkpoints=(1, 2)):
@@ -69,7 +69,7 @@ def test_overwrite_moves_the_run_aside_whole(tmp_path, caplog):
     (run / "report").mkdir()
     (run / "report" / "diagnosis.txt").write_text("kept")
     before = snapshot(run)
-    with caplog.at_level(logging.WARNING, logger="raytrm.train.run_dir"):
+    with caplog.at_level(logging.WARNING, logger="raytrm.train.run.directory"):
         moved = claim_run_dir(run, overwrite=True)
     assert moved.parent == tmp_path and moved.name.startswith("run.replaced-")
     assert not run.exists() and snapshot(moved) == before

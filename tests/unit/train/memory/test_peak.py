@@ -7,8 +7,8 @@ import platform
 import numpy as np
 import pytest
 
-from raytrm.train import peak as peak_mod
-from raytrm.train.peak import PeakMemory
+from raytrm.train.memory import peak as peak_mod
+from raytrm.train.memory.peak import PeakMemory
 
 MiB = 2**20
 
@@ -44,7 +44,7 @@ def test_sampling_fallback(monkeypatch):
 def test_trim_heap_returns_freed_memory():
     import re
 
-    from raytrm.train.peak import trim_heap
+    from raytrm.train.memory.peak import trim_heap
 
     def rss() -> int:
         return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
@@ -58,7 +58,7 @@ def test_trim_heap_returns_freed_memory():
 
 _ARENAS_AFTER_THREADS = """
 import ctypes, sys, threading
-from raytrm.train.peak import one_heap
+from raytrm.train.memory.peak import one_heap
 if sys.argv[1] == "one":
     assert one_heap()
 libc = ctypes.CDLL("libc.so.6")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from raytrm.train.metrics import MetricsLog, read_metrics
+from raytrm.train.run.metrics import MetricsLog, read_metrics
 
 
 def test_small_values_keep_six_significant_digits_and_the_rest_six_decimals(tmp_path):

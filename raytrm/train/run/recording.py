@@ -13,7 +13,7 @@ from typing import Any
 
 from raytrm.train import checkpoint as ckpt
 from raytrm.train.loop import Hook, Loop, Step
-from raytrm.train.metrics import MetricsLog, Progress
+from raytrm.train.run.metrics import MetricsLog, Progress
 from raytrm.train.trainer import Trainer
 
 

@@ -12,7 +12,7 @@ from raytrm.sync import strategy as sync_modes
 from raytrm.sync.link import Link, choose, fit_link, measure_link, step_share
 from raytrm.sync.local import Local
 from raytrm.train.loop import Hook, Loop
-from raytrm.train.schedule import StepLimit
+from raytrm.train.run.stop_rules import StepLimit
 from raytrm.train.trainer import Trainer
 
 MBIT = 1e6 / 8  # bytes per second in a Mbit/s

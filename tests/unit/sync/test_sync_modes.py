@@ -11,8 +11,8 @@ from raytrm.distributed.launch import spawn
 from raytrm.sync.process_group import ProcessGroupSync
 from raytrm.train import checkpoint as ckpt
 from raytrm.train.loop import Loop
-from raytrm.train.run import run_training
-from raytrm.train.schedule import StepLimit
+from raytrm.train.run.stop_rules import StepLimit
+from raytrm.train.run.training import run_training
 from raytrm.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # worker processes

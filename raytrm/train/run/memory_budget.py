@@ -1,8 +1,8 @@
 """The memory budget in the loop: the governor's cuts for `raytrm train`, the pre-check and the limit for a trial.
 
-Both run the same MemoryGovernor (raytrm.train.adaptive) on the same measured step peaks. `adapting`: the governor
-probes small cuts, chooses the largest that fits, shrinks under pressure or an allocator's refusal and grows back
-(raytrm train). `holding`: a trial measures the micro-batch it is asked; the governor probes a quarter and a half
+Both run the same MemoryGovernor (raytrm.train.memory.governor) on the same measured step peaks. `adapting`: the
+governor probes small cuts, chooses the largest that fits, shrinks under pressure or an allocator's refusal and grows
+back (raytrm train). `holding`: a trial measures the micro-batch it is asked; the governor probes a quarter and a half
 of it (real training steps, part of the warm-up), and the fit's prediction for the asked cut halts the trial before
 a step the machine cannot hold (on the CPU an oversized step raises nothing: the kernel kills the process). After
 that a measured peak over the budget halts it.
@@ -23,8 +23,8 @@ import torch
 from raytrm import schema
 from raytrm.fastpaths.tuned import TunedChoices, store_path
 from raytrm.hardware.pressure import MemoryReader
-from raytrm.train.adaptive import GovernorSettings, MemoryGovernor
 from raytrm.train.loop import Cut, Decision, Hook, Loop, Step, Stop
+from raytrm.train.memory.governor import GovernorSettings, MemoryGovernor
 from raytrm.train.trainer import Trainer
 
 MiB = 2**20

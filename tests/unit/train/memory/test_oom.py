@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrm.train.oom import is_out_of_memory, parse_mps_oom
+from raytrm.train.memory.oom import is_out_of_memory, parse_mps_oom
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "macos"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "macos"
 GIB, MIB = 2**30, 2**20
 
 

@@ -10,10 +10,10 @@ import torch
 from raytrm.errors import UserError
 from raytrm.hardware.pressure import MemoryReading
 from raytrm.train import checkpoint as ckpt
-from raytrm.train.adaptive import GovernorSettings, MemoryGovernor
-from raytrm.train.memory import cut
-from raytrm.train.metrics import read_metrics
-from raytrm.train.run import run_training
+from raytrm.train.memory.fit import cut
+from raytrm.train.memory.governor import GovernorSettings, MemoryGovernor
+from raytrm.train.run.metrics import read_metrics
+from raytrm.train.run.training import run_training
 
 MiB = 2**20
 
@@ -72,7 +72,7 @@ def test_a_run_keeps_its_settled_points_for_the_next_run_of_the_model(tiny, tmp_
     """Kept on GPUs only (there a cut compiles): here the store is handed in, and the second run starts at the cut
     the first settled on, with no probe steps."""
     from raytrm.fastpaths.tuned import TunedChoices
-    from raytrm.train import memory_budget
+    from raytrm.train.run import memory_budget
 
     store = tmp_path / "memory-fit.json"
     monkeypatch.setattr(memory_budget, "_kept_fits", lambda trainer: (TunedChoices(store), "the-model"))

@@ -9,9 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-import psutil
-
-from raytrm.train.tensorboard import open_sink
+from raytrm.train.run.tensorboard import open_sink
 
 
 class MetricsLog:
@@ -70,27 +68,6 @@ def _rounded(value: float) -> float:
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-class ResourceSampler:
-    """Samples this process's resident memory and CPU use; keeps the peak RSS seen."""
-
-    def __init__(self) -> None:
-        self._proc = psutil.Process()
-        self._proc.cpu_percent(None)
-        self.peak_rss = self.rss()
-
-    def rss(self) -> int:
-        return int(self._proc.memory_info().rss)
-
-    def sample(self) -> dict[str, float]:
-        rss = self.rss()
-        self.peak_rss = max(self.peak_rss, rss)
-        return {
-            "rss_mb": rss / 2**20,
-            "peak_rss_mb": self.peak_rss / 2**20,
-            "cpu_percent": self._proc.cpu_percent(None),
-        }
 
 
 class Progress:

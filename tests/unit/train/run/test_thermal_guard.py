@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from raytrm.hardware.thermal import parse_powermetrics_thermal
-from raytrm.train.thermal_guard import GuardSettings, ThermalGuard
+from raytrm.train.run.thermal_guard import GuardSettings, ThermalGuard
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "macos"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "macos"
 
 
 def drive(guard: ThermalGuard, states: list[str | None], rate: float = 100.0) -> list:
@@ -61,8 +61,8 @@ class ScriptedThermal:
 
 
 def test_the_training_loop_applies_and_logs_the_guard(tiny, tmp_path):
-    from raytrm.train.metrics import read_metrics
-    from raytrm.train.run import run_training
+    from raytrm.train.run.metrics import read_metrics
+    from raytrm.train.run.training import run_training
 
     states = ["nominal", "critical", "critical", "nominal", "nominal", "nominal"]
     summary = run_training(

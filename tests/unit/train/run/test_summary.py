@@ -10,11 +10,11 @@ import signal
 import pytest
 
 from raytrm.cli import format_summary
-from raytrm.train.defaults import resolve_experiment
 from raytrm.train.loop import Hook
-from raytrm.train.recording import StepTimes
-from raytrm.train.run import run_training
-from raytrm.train.size_rule import ANCHORS, size_rule
+from raytrm.train.run.experiment import resolve_experiment
+from raytrm.train.run.recording import StepTimes
+from raytrm.train.run.size_rule import ANCHORS, size_rule
+from raytrm.train.run.training import run_training
 
 
 class _Loop:
@@ -80,7 +80,7 @@ class _Signal(Hook):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_ends_the_run_with_a_checkpoint_and_a_summary(tiny, tmp_path, monkeypatch, sig):
-    import raytrm.train.run as run
+    import raytrm.train.run.training as run
 
     real_loop = run.Loop
     monkeypatch.setattr(run, "Loop", lambda trainer, hooks, **kw: real_loop(trainer, [*hooks, _Signal(sig, 2)], **kw))
@@ -93,7 +93,7 @@ def test_ctrl_c_or_sigterm_ends_the_run_with_a_checkpoint_and_a_summary(tiny, tm
 
 def test_the_size_rule_sets_lr_when_flags_move_the_default(caplog):
     anchor = ANCHORS["trm"]
-    with caplog.at_level(logging.INFO, logger="raytrm.train.defaults"):
+    with caplog.at_level(logging.INFO, logger="raytrm.train.run.experiment"):
         wide, _ = resolve_experiment(
             config_file=None,
             profile_file=None,

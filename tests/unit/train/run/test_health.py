@@ -16,16 +16,16 @@ import torch
 from raytrm import config as cfg
 from raytrm.constants import CACHE_DIR_ENV
 from raytrm.report import diagnose, load_run
-from raytrm.train import health
-from raytrm.train.health import Context, Finding, HealthMonitor
-from raytrm.train.metrics import read_metrics
-from raytrm.train.run import METRICS_FILE, run_training
+from raytrm.train.run import health
+from raytrm.train.run.health import Context, Finding, HealthMonitor
+from raytrm.train.run.metrics import read_metrics
+from raytrm.train.run.training import METRICS_FILE, run_training
 from raytrm.train.trainer import StepResult, Trainer
 from raytrm.tune import objectives
 from raytrm.tune.trial import measure
 
 LN9 = math.log(9)
-HISTORIES = Path(__file__).resolve().parents[2] / "fixtures" / "health"
+HISTORIES = Path(__file__).resolve().parents[3] / "fixtures" / "health"
 
 
 def _context(**changes) -> Context:
@@ -220,10 +220,10 @@ def _stuck_at_the_entropy(monkeypatch) -> None:
 def test_the_warning_the_event_and_the_report_carry_the_same_fix(tiny, tmp_path, monkeypatch, caplog):
     _stuck_at_the_entropy(monkeypatch)
     run = tmp_path / "run"
-    with caplog.at_level(logging.WARNING, logger="raytrm.train.health"):
+    with caplog.at_level(logging.WARNING, logger="raytrm.train.run.health"):
         summary = run_training(tiny(training={"steps": 60, "log_interval": 10}), run)
     assert summary["stop_reason"] == "steps reached (60)"  # warned, not stopped: early_stop is off
-    (warning,) = [r.getMessage() for r in caplog.records if r.name == "raytrm.train.health"]
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "raytrm.train.run.health"]
     events = [json.loads(line) for line in (run / METRICS_FILE).read_text().splitlines()]
     (event,) = [e for e in events if e.get("event") == "health-not-learning"]
     assert event["step"] == 2 + 40 and warning == f"step 42: {event['reason']}; {event['fix']}"
@@ -260,9 +260,9 @@ def test_a_trial_that_is_not_learning_is_recorded_as_such(tiny, monkeypatch):
 def test_a_run_at_lr_1e_12_warns_that_its_weights_are_frozen_and_the_report_says_so(tiny, tmp_path, caplog):
     run = tmp_path / "run"
     config = tiny(training={"steps": 3, "lr": 1e-12})  # every step logged, so measured
-    with caplog.at_level(logging.WARNING, logger="raytrm.train.health"):
+    with caplog.at_level(logging.WARNING, logger="raytrm.train.run.health"):
         run_training(config, run)
-    (warning,) = [r.getMessage() for r in caplog.records if r.name == "raytrm.train.health"]
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "raytrm.train.run.health"]
     assert warning.startswith("step 3: the updates moved the weights by at most ")
     assert "over 3 measured steps (1 to 3) at lr 1e-12" in warning
     assert warning.endswith("raise training.lr (--lr): 1e-12 is far below the size rule's 0.003 for this model")

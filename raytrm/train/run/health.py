@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from raytrm.train.loop import Hook, Loop, Step, Stop
-from raytrm.train.size_rule import size_rule
+from raytrm.train.run.size_rule import size_rule
 from raytrm.train.trainer import StepResult, Trainer
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class Context:
     warmup_steps: int
     grad_clip: float | None = None
     dtype: str = "float32"
-    suggested_lr: float | None = None  # the size rule's learning rate for this model (raytrm.train.defaults)
+    suggested_lr: float | None = None  # the size rule's learning rate for this model (raytrm.train.run.experiment)
     not_learning_steps: int = 40
     plateau_steps: int = 200
     early_stop: bool = False

@@ -23,19 +23,20 @@ from raytrm.errors import UserError
 from raytrm.hardware.pressure import MemoryReader
 from raytrm.hardware.thermal import ThermalReader
 from raytrm.sync.contract import GradientSync
-from raytrm.train.adaptive import GovernorSettings
 from raytrm.train.checkpoint import latest_good_checkpoint
 from raytrm.train.checkpoint_fit import check_checkpoint_fits
-from raytrm.train.health import EARLY_STOP_HALTS, Health
 from raytrm.train.loop import Hook, Loop
-from raytrm.train.memory_budget import MemoryBudget
-from raytrm.train.metrics import MetricsLog, Progress
-from raytrm.train.peers import PeersHook
-from raytrm.train.recording import Checkpoints, MetricsRows, StepTimes, tokens_per_sec
-from raytrm.train.run_dir import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
-from raytrm.train.run_dir import resumable_config as resumable_config
-from raytrm.train.schedule import Interrupts, IntervalEvaluation, StepLimit, TimeBudget
-from raytrm.train.thermal_guard import ThermalGuard, ThermalHook
+from raytrm.train.memory.governor import GovernorSettings
+from raytrm.train.run.directory import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+from raytrm.train.run.directory import resumable_config as resumable_config
+from raytrm.train.run.evaluations import IntervalEvaluation
+from raytrm.train.run.health import EARLY_STOP_HALTS, Health
+from raytrm.train.run.memory_budget import MemoryBudget
+from raytrm.train.run.metrics import MetricsLog, Progress
+from raytrm.train.run.peers import PeersHook
+from raytrm.train.run.recording import Checkpoints, MetricsRows, StepTimes, tokens_per_sec
+from raytrm.train.run.stop_rules import Interrupts, StepLimit, TimeBudget
+from raytrm.train.run.thermal_guard import ThermalGuard, ThermalHook
 from raytrm.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)

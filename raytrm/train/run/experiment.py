@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from raytrm import config as cfg
-from raytrm.errors import UserError
-from raytrm.train.size_rule import ANCHORS, size_rule
+from raytrm.errors import SHOWN_FIELDS, UserError
+from raytrm.train.run.size_rule import ANCHORS, size_rule
 
 logger = logging.getLogger(__name__)
 
@@ -155,35 +155,13 @@ def _with_tier_defaults(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-#: What a resumed run may change: how long it goes on.
-RESUMABLE_CHANGES = {("training", "steps"), ("training", "time_budget_s")}
-
-#: Training fields that belong to a machine, not to the experiment: a distributed run's workers take them from the
-#: profile of their tier, or from their tier.
-MACHINE_SETTINGS = (
-    "micro_batch_size",
-    "grad_accum_steps",
-    "threads",
-    "interop_threads",
-    "dataloader_workers",
-    "memory_budget_mb",
-    "thermal_cap",
-    "thermal_action",
-    "device",
-)
-
-
-#: The changed fields a refusal names: more would bury the first in a line nobody reads to its end.
-SHOWN = 6
-
-
 def _refuse(changed: list[str], source: str, asked_by: str) -> None:
     """The one refusal of a resume that would change the run: each field with its stored and asked values."""
     if changed:
-        more = f" (and {len(changed) - SHOWN} more fields)" if len(changed) > SHOWN else ""
+        more = f" (and {len(changed) - SHOWN_FIELDS} more fields)" if len(changed) > SHOWN_FIELDS else ""
         raise UserError(
             f"--resume continues {source} as it was; only --steps and --time-budget may change, but "
-            f"{'; '.join(changed[:SHOWN])}{more}: drop {asked_by}, or start a new run with another --out"
+            f"{'; '.join(changed[:SHOWN_FIELDS])}{more}: drop {asked_by}, or start a new run with another --out"
         )
 
 
@@ -198,7 +176,7 @@ def _refuse_changes(stored: dict[str, Any], overrides: dict[str, dict[str, Any]]
         f"{section}.{name} is {stored[section].get(name)!r} there, {asked[section][name]!r} asked"
         for section, values in overrides.items()
         for name in values
-        if (section, name) not in RESUMABLE_CHANGES and asked[section][name] != stored[section].get(name)
+        if (section, name) not in cfg.RESUMABLE_CHANGES and asked[section][name] != stored[section].get(name)
     ]
     _refuse(changed, source, "those flags")
 
@@ -222,14 +200,14 @@ def _resume_with_file(
     changed, flagged = [], False
     for section in ("model", "data", "training"):
         for name, value in asked[section].items():
-            if section == "training" and name in MACHINE_SETTINGS and (machines_free or value is None):
+            if section == "training" and name in cfg.MACHINE_SETTINGS and (machines_free or value is None):
                 continue
-            if (section, name) not in RESUMABLE_CHANGES and value != stored[section].get(name):
+            if (section, name) not in cfg.RESUMABLE_CHANGES and value != stored[section].get(name):
                 changed.append(f"{section}.{name} is {stored[section].get(name)!r} there, {value!r} asked")
                 flagged = flagged or name in overrides.get(section, {})
     _refuse(changed, source, f"{given}{' and those flags' if flagged else ''} (the run keeps its own config)")
     resumed = copy.deepcopy(stored)
-    limits = {name: asked["training"][name] for _, name in RESUMABLE_CHANGES}
+    limits = {name: asked["training"][name] for _, name in cfg.RESUMABLE_CHANGES}
     if any(value is not None for value in limits.values()):
         resumed["training"].update(limits)
     return resumed
@@ -269,7 +247,7 @@ def resolve_experiment(
 
     tier_defaults=False leaves the machine settings a config does not give unset: distributed workers fill them
     from their own machines' tiers. A new run's --out is checked here, before anything else is looked at
-    (raytrm.train.run_dir: a run there needs --resume or --overwrite); nothing is moved here.
+    (raytrm.train.run.directory: a run there needs --resume or --overwrite); nothing is moved here.
     """
     if config_file and profile_file:
         raise UserError("give --config or --profile, not both")
@@ -280,7 +258,7 @@ def resolve_experiment(
     if resume:
         if not out:
             raise UserError("--resume needs --out RUN_DIR, the run to continue")
-        from raytrm.train.run_dir import CONFIG_FILE, resumable_config
+        from raytrm.train.run.directory import CONFIG_FILE, resumable_config
 
         run_dir = Path(out)
         base = cfg.to_dict(resumable_config(run_dir))
@@ -295,7 +273,7 @@ def resolve_experiment(
             _refuse_changes(base, overrides, source)
     else:
         if out:
-            from raytrm.train.run_dir import check_new_run_dir
+            from raytrm.train.run.directory import check_new_run_dir
 
             check_new_run_dir(out, overwrite=overwrite)
         base, source = _requested(config_file, profile_file, overrides)

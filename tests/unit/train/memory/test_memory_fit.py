@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytrm.train.memory import MemoryFit, cut, fit
+from raytrm.train.memory.fit import MemoryFit, cut, fit
 
 MiB = 2**20
 

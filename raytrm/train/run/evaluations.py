@@ -1,0 +1,74 @@
+"""When a run evaluates: `raytrm train`'s schedule (every eval_interval steps, into the metrics row, and at the end)
+and `Evaluations` at the points of a schedule (a trial's rungs, a curve's sample counts), taken off the run's clock."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from raytrm.train.loop import Hook, Loop
+from raytrm.train.trainer import Trainer
+
+
+def evaluate_quality(trainer: Trainer, eval_puzzles: int | None, quality_metric: str) -> dict[str, Any]:
+    """Quality on a fixed number of held-out examples, whatever the micro-batch, so trials and curves compare:
+    {"quality": the metric's score, "eval": every score}. The trainer's cut is restored afterwards."""
+    micro = trainer.micro_batch
+    trainer.set_micro_batch(trainer.global_batch)
+    batches = math.ceil(eval_puzzles / trainer.micro_batch) if eval_puzzles else None
+    scores = trainer.evaluate(max_batches=batches)
+    trainer.set_micro_batch(micro)
+    return {"quality": float(scores.get(quality_metric, 0.0)), "eval": scores}
+
+
+class Evaluations(Hook):
+    """Evaluations at the points of a schedule, ascending in `position` (a trial's share of its run, a curve's
+    samples): each is taken before the first step after the run reaches it, off the run's clock, and handed to
+    `take(loop, index, scores)`. The points left when the run ends are taken then, unless a hook halted the run or
+    `final` is off."""
+
+    def __init__(
+        self,
+        points: Sequence[float],
+        position: Callable[[Loop], float],
+        evaluate: Callable[[Loop], dict[str, Any]],
+        take: Callable[[Loop, int, dict[str, Any]], None],
+        *,
+        final: bool = True,
+    ) -> None:
+        self.points, self.position, self.evaluate, self.take, self.final = list(points), position, evaluate, take, final
+        self.taken = 0
+
+    def before_step(self, loop: Loop) -> None:
+        while self.taken < len(self.points) and self.position(loop) >= self.points[self.taken]:
+            self._take(loop)
+
+    def finish(self, loop: Loop) -> None:
+        while self.final and not loop.halted and self.taken < len(self.points):
+            self._take(loop)
+
+    def _take(self, loop: Loop) -> None:
+        index = self.taken
+        self.taken += 1
+        with loop.off_clock():
+            scores = self.evaluate(loop)
+        self.take(loop, index, scores)
+
+
+class IntervalEvaluation(Hook):
+    """`raytrm train`'s evaluations, on rank 0 (which writes the run): every `interval` steps where a metrics row is
+    written (its scores go into the row), and once after the last step (`final`, into the summary)."""
+
+    def __init__(self, trainer: Trainer, interval: int | None) -> None:
+        self.trainer, self.interval = trainer, interval
+        self.rank0 = trainer.sync.rank == 0
+        self.final: dict[str, Any] = {}
+
+    def row_scores(self, step: int) -> dict[str, Any]:
+        """The scores for the row of this step, where one is due."""
+        due = self.rank0 and self.interval and step % self.interval == 0
+        return self.trainer.evaluate() if due else {}
+
+    def finish(self, loop: Loop) -> None:
+        self.final = self.trainer.evaluate() if self.rank0 else {}
