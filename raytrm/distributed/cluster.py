@@ -32,10 +32,10 @@ def _check_reachable(address: str) -> None:
 
 def _auto_address() -> str | None:
     """HOST:PORT of the cluster `auto` means here ($RAY_ADDRESS, else this Mac's node's cluster), or None."""
-    from ray._private.services import canonicalize_bootstrap_address  # how ray.init reads "auto"; no public one
+    from raytrm.distributed.ray_internals import auto_address
 
     try:
-        return canonicalize_bootstrap_address("auto")
+        return auto_address()
     except (ConnectionError, ValueError):
         return None
 

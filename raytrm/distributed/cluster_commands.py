@@ -226,7 +226,7 @@ def status(address: str | None = None, token_file: str | None = None, link: bool
 
 def _available_per_node() -> dict[str, dict[str, float]]:
     try:
-        from ray._private.state import available_resources_per_node  # Ray's DeveloperAPI: no public equivalent
+        from raytrm.distributed.ray_internals import available_resources_per_node
 
         return available_resources_per_node()
     except Exception as e:  # an older or newer Ray without it: the busy column reads as free

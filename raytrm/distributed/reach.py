@@ -31,10 +31,10 @@ _SETTINGS_FRAME = 4
 _RAY_CALL = """
 import json, sys
 try:
-    from ray._raylet import GcsClient
     from ray.exceptions import AuthenticationError, RpcError
+    from raytrm.distributed.ray_internals import gcs_client
     try:
-        GcsClient(address=sys.argv[1])
+        gcs_client(sys.argv[1])
         said = {}
     except AuthenticationError as e:
         said = {"refused": str(e)}

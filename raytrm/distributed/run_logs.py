@@ -42,7 +42,7 @@ WORKER_FORMAT = "%(asctime)s %(levelname)s %(name)s [worker {rank}]: %(message)s
 TERMINAL = re.compile(
     r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) raytrm(\.\w+)* \[worker \d+\]: |^step \d+(/\d+)? "
 )
-#: Ray's dispatcher of forwarded lines names Ray's own printer so (ray._private.worker.connect).
+#: Ray's dispatcher of forwarded lines names Ray's own printer so (raytrm.distributed.ray_internals).
 RAY_PRINTER = "ray_print_logs"
 _MINE = "_raytrm_run_logs"  # marks the handlers and filters put here, so a second setup replaces them
 
@@ -185,8 +185,9 @@ class DriverLogs:
     def forward(self) -> None:
         """Take the lines Ray forwards from the job's processes in place of Ray's printer (once Ray is joined)."""
         try:
-            from ray._private.worker import filter_autoscaler_events
-            from ray._private.worker import global_worker_stdstream_dispatcher as dispatcher
+            from raytrm.distributed.ray_internals import stdstream_dispatcher
+
+            dispatcher, filter_autoscaler_events = stdstream_dispatcher()
         except ImportError:  # another Ray: its printer stays, and the terminal shows Ray's lines too
             logger.debug("Ray's forwarded lines stay on the terminal: no dispatcher in this Ray")
             return

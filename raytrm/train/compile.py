@@ -133,11 +133,7 @@ class Compiled:
                 if self.batch_dims:
                     _mark_batch(args, self.batch_dims)
                 out = self.compiled(*args, **kwargs)
-                if self.clone_outputs:
-                    import torch
-
-                    out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
-                return out
+                return _cloned(out) if self.clone_outputs else out
             except Exception as error:
                 from raytrm.train.memory.oom import is_out_of_memory
 
@@ -254,3 +250,18 @@ def _new_graph_step(forward: Callable[..., Any]) -> Callable[..., Any]:
 
     step.__wrapped__ = forward  # type: ignore[attr-defined]  # the compiled forward stays reachable (its `failed`)
     return step
+
+
+def _cloned(out: Any) -> Any:
+    """A region's outputs with each tensor copied (tuples, lists and dicts of them as they come)."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # a named tuple takes its fields one by one
+        return type(out)(*(_cloned(x) for x in out))
+    if isinstance(out, (tuple, list)):
+        return type(out)(_cloned(x) for x in out)
+    if isinstance(out, dict):
+        return {k: _cloned(v) for k, v in out.items()}
+    return out

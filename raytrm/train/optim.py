@@ -43,7 +43,7 @@ def step_weights(
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else None
     watched = [p.detach() for p in model.parameters() if p.grad is not None] if watch else []
-    before = torch._foreach_mul(watched, 1.0) if watched else None
+    before = [w.clone() for w in watched] if watched else None
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm, update_ratio(before, watched) if before is not None else None
@@ -285,11 +285,13 @@ class ModelEMA:
 
 
 def update_ratio(before: list[torch.Tensor], after: list[torch.Tensor]) -> torch.Tensor:
-    """||after - before|| / ||before|| over all the tensors taken as one vector (on the device, not read)."""
-    torch._foreach_sub_(before, after)  # before now holds minus the update
-    update = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(before)]))
-    weights = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(after)]))
-    return update / weights.clamp_min(torch.finfo(torch.float32).tiny)
+    """||after - before|| / ||after|| over all the tensors taken as one vector (on the device, not read)."""
+
+    def norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors]))
+
+    update = norm([a - b for a, b in zip(after, before, strict=True)])
+    return update / norm(after).clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def _number(value: object) -> bool:

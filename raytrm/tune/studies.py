@@ -101,3 +101,9 @@ def staged_candidates(run_dir: Path, tier: str) -> tuple[list[staged.Candidate],
     if speed is None:
         return [], None
     return staged.candidates(reached_horizon(run_dir), on_tier, space.horizon, tier), speed
+
+
+def running_trial(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> optuna.Trial:
+    """A live handle on a trial the study holds as RUNNING (its driver died), to record a result it saved: Optuna
+    builds one from the trial's storage id, which a FrozenTrial keeps private (the only use of it in raytrm)."""
+    return optuna.Trial(study, frozen._trial_id)

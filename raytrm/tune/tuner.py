@@ -51,7 +51,7 @@ from raytrm.tune.plots import write_plots
 from raytrm.tune.profiles import export_run
 from raytrm.tune.search import completed_count, record
 from raytrm.tune.space import SearchSpace, load_space
-from raytrm.tune.studies import best_speed
+from raytrm.tune.studies import best_speed, running_trial
 from raytrm.tune.tables import format_table
 from raytrm.tune.verify import measure_rates, verify_best
 
@@ -77,7 +77,7 @@ def recover(study: optuna.Study, tier: str, run_dir: Path, objective: str, stage
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         saved = run_dir / TRIALS_DIR / result_name(stage, tier, t.number)
         if saved.is_file():
-            record(study, optuna.Trial(study, t._trial_id), read_result(saved), objective)
+            record(study, running_trial(study, t), read_result(saved), objective)
             logger.info("trial %d of %s finished after its driver stopped: recorded its saved result", t.number, tier)
         else:
             study.tell(t.number, state=optuna.trial.TrialState.FAIL)
