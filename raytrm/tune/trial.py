@@ -100,118 +100,173 @@ def measure(
     evaluate_quality=False measures speed, memory and heat only (a speed trial: quality is left at 0).
     """
     from raytrm.hardware.thermal import ThermalReader
-    from raytrm.train.loop import Loop
-    from raytrm.train.run.evaluations import Evaluations
-    from raytrm.train.run.evaluations import evaluate_quality as evaluate
-    from raytrm.train.run.health import TRIAL_HALTS, Health
-    from raytrm.train.run.memory_budget import MemoryBudget
-    from raytrm.train.trainer import Trainer
-    from raytrm.tune.curves import horizon_rungs
-    from raytrm.tune.window import HeatCap, MeasuredWindow, ProgressReports
+    from raytrm.tune.window import HeatCap, MeasuredWindow
 
-    result: dict[str, Any] = {
-        "status": "ok",
-        "samples_per_sec": 0.0,
-        "peak_memory_mb": 0.0,
-        "predicted_memory_mb": None,
-        "thermal_max": "unknown",
-        "throughput_decay": 0.0,
-        "quality": 0.0,
-        "steps": 0,
-        "memory_budget_mb": memory_budget_mb,
-        "thermal_cap": thermal_cap,
-        "max_throughput_decay": max_throughput_decay,
-        "started_at": time.time(),
-    }
+    limits = {"memory_budget_mb": memory_budget_mb, "thermal_cap": thermal_cap}
     window = MeasuredWindow(warmup_s, measure_s, horizon, decay_window)
-    heat = HeatCap(thermal_reader or ThermalReader(), thermal_cap, window)
-    # (share of the run, evaluation number) of each evaluation, the last at the run's end; those before the end are
-    # for a pruner, or points of the curve to a horizon
+    trial = Measurement(
+        limits,
+        window,
+        HeatCap(thermal_reader or ThermalReader(), thermal_cap, window),
+        quality_metric=quality_metric,
+        eval_puzzles=eval_puzzles,
+        rungs=_rungs(evaluations, horizon, pruned=report is not None),
+        horizon=horizon,
+        report=report,
+        progress=progress,
+    )
+    trial.result["max_throughput_decay"] = max_throughput_decay
+    return trial.run(experiment, evaluate_quality, clock)
+
+
+def _rungs(evaluations: int, horizon: dict[str, float] | None, pruned: bool) -> list[tuple[float, int]]:
+    """(share of the run, evaluation number) of each evaluation, the last at the run's end; those before the end are
+    for a pruner, or points of the curve to a horizon."""
+    from raytrm.tune.curves import horizon_rungs
+
     rungs = horizon_rungs(evaluations) if horizon else [((k + 1) / evaluations, k + 1) for k in range(evaluations)]
-    if report is None and not horizon:
-        rungs = rungs[-1:]
-    curve: list[dict[str, Any]] = []
-    final: dict[str, Any] = {}  # the scores at the run's end
-    trainer: Trainer | None = None
-    memory: MemoryBudget | None = None
-    health: Health | None = None
-    loop: Loop | None = None
+    return rungs if pruned or horizon else rungs[-1:]
 
-    def prediction() -> dict[str, Any]:
+
+class Measurement:
+    """One trial's run and what it measured (see `measure`): the result it fills as the run goes, the hooks that
+    measure, and the evaluations, each a point of the learning curve."""
+
+    def __init__(
+        self,
+        limits: dict[str, Any],
+        window: Any,
+        heat: Any,
+        *,
+        quality_metric: str,
+        eval_puzzles: int | None,
+        rungs: list[tuple[float, int]],
+        horizon: dict[str, float] | None,
+        report: Callable[[dict[str, Any]], None] | None,
+        progress: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
+        self.window, self.heat, self.rungs, self.horizon = window, heat, rungs, horizon
+        self.quality_metric, self.eval_puzzles = quality_metric, eval_puzzles
+        self.report, self.progress = report, progress
+        self.result: dict[str, Any] = {
+            "status": "ok",
+            "samples_per_sec": 0.0,
+            "peak_memory_mb": 0.0,
+            "predicted_memory_mb": None,
+            "thermal_max": "unknown",
+            "throughput_decay": 0.0,
+            "quality": 0.0,
+            "steps": 0,
+            **limits,
+            "started_at": time.time(),
+        }
+        self.curve: list[dict[str, Any]] = []
+        self.final: dict[str, Any] = {}  # the scores at the run's end
+        self.trainer: Any = None
+        self.memory: Any = None
+        self.health: Any = None
+        self.loop: Any = None
+
+    def prediction(self) -> dict[str, Any]:
         """The memory governor's predicted peak for the asked micro-batch, once its probe is fitted."""
-        return {"predicted_memory_mb": memory.predicted / MiB} if memory and memory.predicted is not None else {}
+        predicted = self.memory.predicted if self.memory is not None else None
+        return {"predicted_memory_mb": predicted / MiB} if predicted is not None else {}
 
-    def so_far(loop: Loop, whole: bool = True) -> dict[str, Any]:
+    def so_far(self, loop: Any, whole: bool = True) -> dict[str, Any]:
         """The result as measured up to now."""
-        return {**result, **prediction(), **window.figures(loop.trainer, loop.peak_bytes, whole=whole)}
+        return {**self.result, **self.prediction(), **self.window.figures(loop.trainer, loop.peak_bytes, whole=whole)}
 
-    def take(loop: Loop, k: int, scores: dict[str, Any]) -> None:
-        stderr = scores["eval"].get(f"{quality_metric}_se")
+    def take(self, loop: Any, k: int, scores: dict[str, Any]) -> None:
+        """The k-th evaluation: a point of the curve; the last is the final score, the others go to the pruner."""
+        stderr = scores["eval"].get(f"{self.quality_metric}_se")
         point = {"samples": loop.trainer.samples_seen, "seconds": loop.now(), "quality": scores["quality"]}
-        curve.append({**point, "stderr": stderr})
-        scores = {**scores, "curve": list(curve)} if horizon else scores
-        if k == len(rungs) - 1:
-            final.update(scores)
-        elif report is not None:
-            share = {"horizon_share": rungs[k][0]} if horizon else {}
-            report({**so_far(loop), **scores, "evaluation": rungs[k][1], "final": False, **share})
+        self.curve.append({**point, "stderr": stderr})
+        scores = {**scores, "curve": list(self.curve)} if self.horizon else scores
+        if k == len(self.rungs) - 1:
+            self.final.update(scores)
+        elif self.report is not None:
+            share = {"horizon_share": self.rungs[k][0]} if self.horizon else {}
+            self.report({**self.so_far(loop), **scores, "evaluation": self.rungs[k][1], "final": False, **share})
 
-    def send_progress(loop: Loop) -> None:
-        if progress is not None:
-            progress({**so_far(loop, whole=False), "final": False})
+    def send_progress(self, loop: Any) -> None:
+        if self.progress is not None:
+            self.progress({**self.so_far(loop, whole=False), "final": False})
 
-    try:
-        config = cfg.from_dict(cfg.ExperimentConfig, experiment, "<trial>")
-        trainer = Trainer(config)
-        memory = MemoryBudget.holding(trainer, memory_budget_mb) if memory_budget_mb else None
-        health = Health(trainer, halt_on=TRIAL_HALTS) if config.training.health_checks else None
+    def hooks(self, config: cfg.ExperimentConfig, evaluate_quality: bool) -> list[Any]:
+        """The trial's hooks: the memory budget it must hold, its window, the heat, health, the evaluations."""
+        from raytrm.train.run.evaluations import Evaluations
+        from raytrm.train.run.evaluations import evaluate_quality as evaluate
+        from raytrm.train.run.health import TRIAL_HALTS, Health
+        from raytrm.train.run.memory_budget import MemoryBudget
+        from raytrm.tune.window import ProgressReports
+
+        trainer, budget = self.trainer, self.result["memory_budget_mb"]
+        self.memory = MemoryBudget.holding(trainer, budget) if budget else None
+        self.health = Health(trainer, halt_on=TRIAL_HALTS) if config.training.health_checks else None
+        shares = [share for share, _ in self.rungs]
+
+        def scores(loop: Any) -> dict[str, Any]:
+            return evaluate(trainer, self.eval_puzzles, self.quality_metric)
+
         hooks = [
-            memory,
-            window,
-            heat,
-            health,
-            Evaluations(
-                [share for share, _ in rungs],
-                window.position,
-                lambda loop: evaluate(trainer, eval_puzzles, quality_metric),
-                take,
-                final=evaluate_quality,
-            ),
+            self.memory,
+            self.window,
+            self.heat,
+            self.health,
+            Evaluations(shares, self.window.position, scores, self.take, final=evaluate_quality),
         ]
-        if progress is not None:
-            hooks.append(ProgressReports(window, PROGRESS_S, send_progress))
-        loop = Loop(trainer, [h for h in hooks if h is not None], clock=clock)
-        loop.run()
-        result.update(prediction())
+        if self.progress is not None:
+            hooks.append(ProgressReports(self.window, PROGRESS_S, self.send_progress))
+        return [h for h in hooks if h is not None]
+
+    def run(self, experiment: dict[str, Any], evaluate_quality: bool, clock: Callable[[], float]) -> dict[str, Any]:
+        """Train and measure; never raises: a failed trial reports what it measured, with the reason."""
+        from raytrm.train.loop import Loop
+        from raytrm.train.trainer import Trainer
+
+        result = self.result
+        try:
+            config = cfg.from_dict(cfg.ExperimentConfig, experiment, "<trial>")
+            self.trainer = Trainer(config)
+            self.loop = Loop(self.trainer, self.hooks(config, evaluate_quality), clock=clock)
+            self.loop.run()
+            self._settle(evaluate_quality)
+        except Exception as exc:  # the study goes on
+            logger.warning("trial failed: %s: %s", type(exc).__name__, exc)
+            if self.trainer is not None:  # what it measured before it failed is its measurement
+                result.update(self.prediction())
+                result.update(self.window.figures(self.trainer, self.loop.peak_bytes if self.loop else 0))
+            result.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            if self.trainer is not None:
+                self.trainer.close()
+        if self.health is not None and self.health.findings:
+            result["health"] = [finding.event() for finding in self.health.findings]
+        result["thermal_max"] = self.heat.hottest or "unknown"
+        result["ended_at"] = time.time()
+        return result
+
+    def _settle(self, evaluate_quality: bool) -> None:
+        """The run's figures and status once it ended: over budget, too hot, not learning, or ok with its scores."""
+        from raytrm.train.run.health import TRIAL_HALTS
+
+        result, memory, trainer = self.result, self.memory, self.trainer
+        result.update(self.prediction())
         if memory is not None and memory.over_budget == "predicted":  # its peak stands for the step not run
             result.update(status="over_budget", peak_memory_mb=result["predicted_memory_mb"], steps=trainer.step)
-        else:
-            result.update(window.figures(trainer, loop.peak_bytes))
-            if memory is not None and memory.over_budget:
-                result["status"] = "over_budget"
-            elif heat.too_hot:
-                result["status"] = "too_hot"  # stopped: the constraint is violated and the machine should cool
-            elif health is not None and health.found(*TRIAL_HALTS):
-                result["status"] = "not_learning"  # stopped: no quality to report, a boundary for the sampler
-            if result["status"] == "ok" and evaluate_quality:
-                result.update(final)
-                if horizon:
-                    result["horizon_samples"] = trainer.samples_seen
-            result.update(evaluation=rungs[-1][1], final=True)
-    except Exception as exc:  # a failed trial reports what it measured, with the reason, and the study goes on
-        logger.warning("trial failed: %s: %s", type(exc).__name__, exc)
-        if trainer is not None:  # what it measured before it failed is its measurement
-            result.update(prediction())
-            result.update(window.figures(trainer, loop.peak_bytes if loop is not None else 0))
-        result.update(status="failed", error=f"{type(exc).__name__}: {exc}")
-    finally:
-        if trainer is not None:
-            trainer.close()
-    if health is not None and health.findings:
-        result["health"] = [finding.event() for finding in health.findings]
-    result["thermal_max"] = heat.hottest or "unknown"
-    result["ended_at"] = time.time()
-    return result
+            return
+        result.update(self.window.figures(trainer, self.loop.peak_bytes))
+        if memory is not None and memory.over_budget:
+            result["status"] = "over_budget"
+        elif self.heat.too_hot:
+            result["status"] = "too_hot"  # stopped: the constraint is violated and the machine should cool
+        elif self.health is not None and self.health.found(*TRIAL_HALTS):
+            result["status"] = "not_learning"  # stopped: no quality to report, a boundary for the sampler
+        if result["status"] == "ok" and evaluate_quality:
+            result.update(self.final)
+            if self.horizon:
+                result["horizon_samples"] = trainer.samples_seen
+        result.update(evaluation=self.rungs[-1][1], final=True)
 
 
 def run_trial(
