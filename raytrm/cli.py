@@ -11,7 +11,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from raytrm import __version__
 from raytrm.constants import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV
@@ -384,16 +384,37 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `raytrm` command's parser: one subcommand per step of the flow, each added by its own `_add_*`."""
     parser = Parser(prog="raytrm", description="Train and autotune Tiny Recursive Models across a few Macs with Ray.")
     parser.add_argument("--version", action="version", version=f"raytrm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    for add in (
+        _add_probe,
+        _add_validate,
+        _add_data,
+        _add_train,
+        _add_tune,
+        _add_export,
+        _add_report,
+        _add_import_checkpoint,
+        _add_export_checkpoint,
+        _add_cluster,
+    ):
+        add(sub)
+    return parser
 
+
+def _add_probe(sub: Any) -> None:
+    """`raytrm probe`'s arguments."""
     p = sub.add_parser("probe", help="show this machine, its compute device and its tier")
     p.add_argument("--json", action="store_true", help="print a stable machine-readable document")
     p.add_argument("--tiers", metavar="FILE", help="tier table (default: the tiers.yaml raytrm ships)")
     p.set_defaults(func=cmd_probe)
 
+
+def _add_validate(sub: Any) -> None:
+    """`raytrm validate`'s arguments."""
     p = sub.add_parser("validate", help="check a training config, profile or tier table and show it resolved")
     p.add_argument(
         "file",
@@ -402,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_validate)
 
+
+def _add_data(sub: Any) -> None:
+    """`raytrm data`'s arguments."""
     p = sub.add_parser("data", help="generate a Sudoku or maze dataset in the TRM reference layout")
     p.add_argument("kind", choices=("sudoku", "maze"))
     p.add_argument("--out", required=True, help="dataset directory to create")
@@ -414,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset directory")
     p.set_defaults(func=cmd_data)
 
+
+def _add_train(sub: Any) -> None:
+    """`raytrm train`'s arguments."""
     p = sub.add_parser(
         "train",
         help="train on this machine (no Ray), or on Ray Train workers with --workers/--address; without arguments, "
@@ -450,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, dest=_flag_dest(flag), type=kind, default=None, help=text)
     p.set_defaults(func=cmd_train)
 
+
+def _add_tune(sub: Any) -> None:
+    """`raytrm tune`'s arguments."""
     p = sub.add_parser("tune", help="autotune each machine tier with Ray Tune + Optuna and export a profile per tier")
     p.add_argument("--space", metavar="FILE", help="search space: a file, or a shipped one by name (default: quick)")
     p.add_argument("--trials", type=int, default=None, help="trials per tier (default: the space's)")
@@ -458,29 +488,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster: auto or HOST:PORT (default: start a local Ray)")
     p.set_defaults(func=cmd_tune)
 
+
+def _add_export(sub: Any) -> None:
+    """`raytrm export`'s arguments."""
     p = sub.add_parser("export", help="write the profile of a tuning run's best settings")
     p.add_argument("run_dir", help="a `raytrm tune` run directory")
     p.add_argument("--tier", help="the tier to export (default: every tuned tier, into RUN_DIR/profiles/)")
     p.add_argument("--out", metavar="FILE", help="profile file to write (with --tier)")
     p.set_defaults(func=cmd_export)
 
+
+def _add_report(sub: Any) -> None:
+    """`raytrm report`'s arguments."""
     p = sub.add_parser("report", help="plot a training run and say what limited it, or show a tuning run's results")
     p.add_argument("run_dir", help="a `raytrm train` or `raytrm tune` run directory")
     p.add_argument("--out", metavar="DIR", help="where to write the plots and the text (default: RUN_DIR/report)")
     p.set_defaults(func=cmd_report)
 
+
+def _add_import_checkpoint(sub: Any) -> None:
+    """`raytrm import-checkpoint`'s arguments."""
     p = sub.add_parser("import-checkpoint", help="load a TRM reference checkpoint into a new raytrm run")
     p.add_argument("checkpoint", help="a state_dict saved by the reference (keys _orig_mod.model.inner.*)")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory to create")
     p.add_argument("--config", metavar="FILE", help="training config matching the checkpoint's model")
     p.set_defaults(func=cmd_import_checkpoint)
 
+
+def _add_export_checkpoint(sub: Any) -> None:
+    """`raytrm export-checkpoint`'s arguments."""
     p = sub.add_parser("export-checkpoint", help="write a run's weights in the TRM reference layout")
     p.add_argument("run_dir", help="a raytrm run directory")
     p.add_argument("--out", required=True, metavar="FILE", help="file to write")
     p.add_argument("--raw-weights", action="store_true", help="export the raw weights instead of the EMA")
     p.set_defaults(func=cmd_export_checkpoint)
 
+
+def _add_cluster(sub: Any) -> None:
+    """`raytrm cluster`'s arguments."""
     p = sub.add_parser("cluster", help="make this Mac a node of a raytrm cluster: head, join, status, stop")
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     actions.required = True
@@ -518,8 +563,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     actions.add_parser("stop", help="stop this Mac's node")
     p.set_defaults(func=cmd_cluster)
-
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
