@@ -1,6 +1,7 @@
 """Fuzzing checkpoints: raytrm's own (what `raytrm train --resume` reads) and the reference layout (what
 `raytrm import-checkpoint` reads): truncated, bit-flipped, random bytes, edited headers, and valid archives with the
-wrong contents (a checksum that matches, so the contents themselves are put to the test).
+wrong contents (a checksum that matches, so the contents themselves are put to the test), among them tensors of
+another shape than the config builds.
 
 Property: loading either gives a state the trainer takes, or refuses with a UserError of one line; the CLI command
 exits 0, or 2 with one line on stderr.
@@ -8,6 +9,7 @@ exits 0, or 2 with one line on stderr.
 
 from __future__ import annotations
 
+import copy
 import io
 import itertools
 import json
@@ -83,6 +85,40 @@ def state_files(state: dict, extra: st.SearchStrategy) -> st.SearchStrategy[byte
     return st.one_of(mutated(state, extra=extra).map(torch_bytes), (GARBAGE | TENSORS).map(torch_bytes))
 
 
+def _tensor_slots(doc: object) -> list[tuple[object, object]]:
+    """(container, key) of every tensor in a state, depth first (tuples hold none that a checkpoint keeps)."""
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    out: list[tuple[object, object]] = []
+    for key, value in list(items):
+        if isinstance(value, torch.Tensor):
+            out.append((doc, key))
+        else:
+            out.extend(_tensor_slots(value))
+    return out
+
+
+@st.composite
+def reshaped(draw: st.DrawFn, state: dict) -> dict:
+    """The state with one to three of its tensors given another shape, dtype kept: a checkpoint whose every byte
+    checks out, written for another model (a dimension one more or less, one dimension more or fewer)."""
+    state = copy.deepcopy(state)
+    slots = _tensor_slots(state)
+    for _ in range(draw(st.integers(1, 3))):
+        parent, key = slots[draw(st.integers(0, len(slots) - 1))]
+        old = parent[key]
+        shape = list(old.shape)
+        op = draw(st.sampled_from(["grow", "shrink", "add", "drop"] if shape else ["add"]))
+        if op in ("grow", "shrink"):
+            at = draw(st.integers(0, len(shape) - 1))
+            shape[at] = shape[at] + 1 if op == "grow" or shape[at] <= 1 else shape[at] - 1
+        elif op == "add":
+            shape.insert(draw(st.integers(0, len(shape))), 2)
+        else:
+            shape.pop(draw(st.integers(0, len(shape) - 1)))
+        parent[key] = torch.zeros(shape, dtype=old.dtype)
+    return state
+
+
 def raytrm_checkpoints(raw: bytes) -> st.SearchStrategy[bytes]:
     header, _, payload = raw.partition(b"\n")
     state = torch.load(io.BytesIO(payload), weights_only=True)
@@ -92,6 +128,8 @@ def raytrm_checkpoints(raw: bytes) -> st.SearchStrategy[bytes]:
         edited_header,
         state_files(state, TENSORS).map(with_header),
         state_files(state, TENSORS).map(with_header),
+        reshaped(state).map(torch_bytes).map(with_header),
+        reshaped(state).map(torch_bytes).map(with_header),
         zip_edit(payload).map(with_header),
     )
 
