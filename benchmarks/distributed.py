@@ -33,11 +33,11 @@ import torch
 from raytrm import config as cfg
 from raytrm.data.build import build_dataset
 from raytrm.distributed.launch import spawn
+from raytrm.families.trm import TRMTask
 from raytrm.hardware import device as devices
 from raytrm.sync.contract import LocalSync
 from raytrm.sync.peers import Peers
 from raytrm.sync.process_group import ProcessGroupSync
-from raytrm.train.tasks import TRMTask
 from raytrm.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)

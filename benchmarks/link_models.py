@@ -58,9 +58,9 @@ def trm_model(
     """`raytrm train`'s default TRM (mlp_t on generated Sudoku) at `hidden`, its dataset generated into work_dir."""
     from benchmarks.transformer import caches_in
     from raytrm.data.cache import dataset_dir_for
-    from raytrm.train.run.experiment import DEFAULT_EXPERIMENT
+    from raytrm.families.trm import EMBEDDED_DEFAULT
 
-    base = copy.deepcopy(DEFAULT_EXPERIMENT)
+    base = copy.deepcopy(EMBEDDED_DEFAULT)
     data = cfg.from_dict(cfg.DataConfig, {**base["data"], "train_puzzles": train_puzzles, "augment": augment})
     with caches_in(work_dir / "cache"):
         path = dataset_dir_for(data)

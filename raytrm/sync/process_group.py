@@ -345,7 +345,7 @@ class OverlappedBuckets:
     started: the order is fixed (the sync object's plan), so every rank issues the same collectives in the same
     order whatever its share or cuts, and a rank with no samples this step simply starts them all in `finish`. A
     transformer finishes most of its gradient long before its backward ends, so the sum travels while the rest
-    computes; TRM's one network is final only at the end, so TRM does not arm this (raytrm.train.tasks).
+    computes; TRM's one network is final only at the end, so TRM does not arm this (raytrm.families.trm).
 
     The summed buffers reach the gradients only at `commit`. A rank whose allocator fails mid-step calls `abandon`,
     which starts the buckets it had not, so its peers' collectives are all matched, and redoes its samples alone;

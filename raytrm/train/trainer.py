@@ -2,7 +2,7 @@
 
 Life cycle (as torchtitan's):
 - `Trainer(config, run_dir, threads=, interop_threads=, sync=, shares=)` applies the thread counts, picks the device
-  and dtype, and builds from the config a task (raytrm.train.tasks: the family's data, model, losses, evaluation),
+  and dtype, and builds from the config its family's task (raytrm.families: the data, model, losses, evaluation),
   the optimizer, the EMA, the compiled regions, and the run's sync strategy (raytrm.sync.strategy) over the
   collectives it is handed (none alone) with this worker's share of each global batch.
 - `train_step`: accumulate this worker's micro-batches, reduce them with the sync strategy, apply the optimizer;
@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from raytrm import config as cfg
+from raytrm.families import build_task
+from raytrm.families.task import Scalar
 from raytrm.fastpaths import onednn
 from raytrm.hardware import device as devices
 from raytrm.models.trm import Carry, rows
@@ -46,7 +48,6 @@ from raytrm.train.memory.oom import is_out_of_memory
 from raytrm.train.memory.peak import one_heap
 from raytrm.train.optim import ModelEMA, build_optimizer, lr_at, step_weights
 from raytrm.train.resources import ResourceSampler
-from raytrm.train.tasks import Scalar, make_task
 from raytrm.train.torch_threads import apply_threads
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class Trainer:
         use_compile_caches()  # before the model is built (Triton reads its switches as kernels are defined)
 
         # The task opens the data, seeds torch and builds the model (and TRM's sparse optimizer and carry).
-        self.task = make_task(config, self.device, self.dtype, self.loss_dtype)
+        self.task = build_task(config, self.device, self.dtype, self.loss_dtype)
         self.train_data, self.test_data = self.task.train_data, self.task.test_data
         self.model = self.task.model
         self.optimizer = build_optimizer(self.model, train, self.device)

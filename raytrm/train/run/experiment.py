@@ -1,9 +1,9 @@
 """Which experiment `raytrm train` runs: a config file, a profile, a run being resumed, or the embedded default.
 
-The embedded default is a small TRM on generated Sudoku, sized to finish in a few minutes on a laptop and to learn
-clearly more than copying the givens; with `--model transformer`, a small byte-level language model (or, with
-`--task classify`, a classifier) on this machine's Python standard library sources. Threads and loader workers come
-from this machine's tier.
+The embedded default is the family's own (raytrm.families): a small TRM on generated Sudoku, sized to finish in a
+few minutes on a laptop and to learn clearly more than copying the givens; with `--model transformer`, a small
+byte-level language model (or, with `--task classify`, a classifier) on this machine's Python standard library
+sources. Threads and loader workers come from this machine's tier.
 """
 
 from __future__ import annotations
@@ -16,59 +16,10 @@ from typing import Any
 
 from raytrm import config as cfg
 from raytrm.errors import SHOWN_FIELDS, UserError
-from raytrm.train.run.size_rule import ANCHORS, size_rule
+from raytrm.families import family
+from raytrm.train.run.size_rule import size_rule
 
 logger = logging.getLogger(__name__)
-
-#: The embedded default of `raytrm train`: small enough for a laptop's CPU, large enough to learn Sudoku rules.
-DEFAULT_EXPERIMENT: dict[str, Any] = {
-    "model": {
-        "variant": "mlp_t",
-        "hidden_size": ANCHORS["trm"].width,
-        "L_layers": 2,
-        "H_cycles": 2,
-        "L_cycles": 2,
-        "halt_max_steps": 2,
-    },
-    "data": {"name": "sudoku", "train_puzzles": 4000, "test_puzzles": 200, "augment": 4, "givens": 40},
-    "training": {
-        "global_batch_size": 64,
-        "lr": ANCHORS["trm"].lr,
-        "warmup_steps": ANCHORS["trm"].warmup_steps,
-        "weight_decay": 0.1,
-        "puzzle_emb_lr": 1e-2,
-        "puzzle_emb_weight_decay": 0.1,
-        "time_budget_s": 180.0,
-        "log_interval": 10,
-        "eval_interval": 200,
-    },
-}
-
-
-#: The embedded default of `raytrm train --model transformer`: a small byte-level LM on the standard library's
-#: sources that shows bits per byte falling within a few minutes on a laptop's CPU.
-DEFAULT_TRANSFORMER_EXPERIMENT: dict[str, Any] = {
-    "model": {
-        "name": "transformer",
-        "task": "lm",
-        "hidden_size": ANCHORS["transformer"].width,
-        "num_heads": 4,
-        "layers": 3,
-        "seq_len": 128,
-    },
-    "data": {"name": "text"},
-    "training": {
-        "global_batch_size": 32,
-        "lr": ANCHORS["transformer"].lr,
-        "warmup_steps": ANCHORS["transformer"].warmup_steps,
-        "weight_decay": 0.1,
-        "grad_clip": 1.0,
-        "time_budget_s": 180.0,
-        "log_interval": 10,
-        "eval_interval": 200,
-    },
-}
-
 
 #: The flags that move a model away from the embedded default; the size rule then sets its lr and warm-up.
 SIZE_FIELDS = {
@@ -132,16 +83,7 @@ def fill_from_tier(training: dict[str, Any], settings: dict[str, Any]) -> dict[s
 
 def require_data_path(experiment: cfg.ExperimentConfig) -> None:
     """The data openers' own one-line error for a data path that names no dataset (checked before a run starts)."""
-    if not experiment.data.path:
-        return  # generated (puzzles) or the standard library's sources (text)
-    if experiment.model.name == "transformer":
-        from raytrm.data.text_cache import require_source
-
-        require_source(experiment.data.path)
-    else:
-        from raytrm.data.build import require_dataset
-
-        require_dataset(Path(experiment.data.path).expanduser())
+    family(experiment.model.name).require_data(experiment.data)
 
 
 def _with_tier_defaults(data: dict[str, Any]) -> dict[str, Any]:
@@ -229,8 +171,8 @@ def _requested(
         return base, profile_file
     if config_file:
         return cfg.to_dict(cfg.load(cfg.ExperimentConfig, config_file)), config_file
-    transformer = overrides.get("model", {}).get("name") == "transformer"
-    return copy.deepcopy(DEFAULT_TRANSFORMER_EXPERIMENT if transformer else DEFAULT_EXPERIMENT), "the embedded default"
+    name = overrides.get("model", {}).get("name") or cfg.ModelConfig().name
+    return copy.deepcopy(family(str(name)).embedded_default), "the embedded default"
 
 
 def resolve_experiment(

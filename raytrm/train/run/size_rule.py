@@ -19,34 +19,14 @@ docs/performance.md has the table the rule was chosen from, and the runs it was 
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from raytrm import config as cfg
-
-
-class Anchor(NamedTuple):
-    """Where a family's embedded default was tuned: its width, learning rate and warm-up steps."""
-
-    width: int
-    lr: float
-    warmup_steps: int
-
-
-ANCHORS = {"trm": Anchor(64, 3e-3, 20), "transformer": Anchor(128, 2e-3, 50)}
-
-#: How lr falls with width, by family (and TRM variant): lr = anchor lr x (anchor width / width) ** exponent.
-EXPONENTS = {"trm/attention": 1.0, "trm/mlp_t": 0.0, "transformer": 0.5}
-
-
-def _kind(model: cfg.ModelConfig) -> str:
-    return f"trm/{model.variant}" if model.name == "trm" else model.name
+from raytrm.families import family
 
 
 def size_rule(model: cfg.ModelConfig) -> tuple[float, int, str]:
     """(lr, warm-up steps, the rule in words) for a model of this family, variant and width."""
-    anchor = ANCHORS[model.name]
-    kind, width = _kind(model), model.hidden_size
-    exponent = EXPONENTS[kind]
+    known = family(model.name)
+    anchor, (kind, exponent), width = known.anchor, known.lr_exponent(model), model.hidden_size
     lr = anchor.lr * min(1.0, (anchor.width / width) ** exponent)
     if exponent and width > anchor.width:
         scale = {1.0: f"{anchor.width}/{width}", 0.5: f"sqrt({anchor.width}/{width})"}.get(

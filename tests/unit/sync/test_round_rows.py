@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from raytrm.models.layers import SparseEmbedding
+from raytrm.models.sign_sgd import SignSGD
 from raytrm.sync.local import RoundRows
-from raytrm.train.optim import SignSGD
 
 
 class ScriptedPeer:

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from raytrm.models.layers import SparseEmbedding
-from raytrm.train.optim import AdamATan2, ModelEMA, SignSGD, sparse_signsgd_
+from raytrm.models.sign_sgd import SignSGD, sparse_signsgd_
+from raytrm.train.optim import AdamATan2, ModelEMA
 
 
 def test_adam_atan2_matches_the_scalar_recurrence():

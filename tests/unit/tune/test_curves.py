@@ -8,8 +8,8 @@ import statistics
 import pytest
 
 from raytrm import config as cfg
+from raytrm.families.task import standard_error
 from raytrm.train.run.evaluations import evaluate_quality
-from raytrm.train.tasks import _standard_error
 from raytrm.train.trainer import Trainer
 from raytrm.tune.curves import extrapolate, is_speed_knob, learning_curve, quality_at, rungs
 
@@ -49,7 +49,7 @@ def test_curve_points_equal_training_that_many_samples_and_evaluating(tiny):
 def test_standard_error_is_the_sample_deviation_over_root_n():
     values = [0.2, 0.9, 0.55, 0.7, 0.31]
     expected = statistics.stdev(values) / math.sqrt(len(values))
-    got = _standard_error(sum(values), sum(v * v for v in values), len(values))
+    got = standard_error(sum(values), sum(v * v for v in values), len(values))
     assert got == pytest.approx(expected)
 
 

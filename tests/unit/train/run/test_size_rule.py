@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from raytrm.config import ModelConfig
-from raytrm.train.run.size_rule import ANCHORS, size_rule
+from raytrm.families import family
+from raytrm.train.run.size_rule import size_rule
 
 
 @pytest.mark.parametrize(
@@ -22,11 +23,11 @@ from raytrm.train.run.size_rule import ANCHORS, size_rule
 )
 def test_trm_lr_falls_as_1_over_width_with_attention_and_not_with_the_mlp(variant, width, lr):
     got, warmup, _ = size_rule(ModelConfig(variant=variant, hidden_size=width))
-    assert got == pytest.approx(lr) and warmup == ANCHORS["trm"].warmup_steps
+    assert got == pytest.approx(lr) and warmup == family("trm").anchor.warmup_steps
 
 
 def test_the_transformer_lr_falls_as_1_over_sqrt_width():
-    anchor = ANCHORS["transformer"]
+    anchor = family("transformer").anchor
     lr, warmup, why = size_rule(ModelConfig(name="transformer", hidden_size=4 * anchor.width))
     assert lr == pytest.approx(anchor.lr / 2) and warmup == anchor.warmup_steps
     assert why == f"{anchor.lr:g} x sqrt({anchor.width}/{4 * anchor.width}) for transformer, warm-up 50 steps"
@@ -35,7 +36,7 @@ def test_the_transformer_lr_falls_as_1_over_sqrt_width():
 @pytest.mark.parametrize("variant", ["attention", "mlp_t"])
 def test_narrower_than_the_anchor_keeps_the_anchors_lr(variant):
     lr, _, _ = size_rule(ModelConfig(variant=variant, hidden_size=32))
-    assert lr == ANCHORS["trm"].lr
+    assert lr == family("trm").anchor.lr
 
 
 def test_the_rule_in_words_names_the_variant_and_the_scale():

@@ -10,10 +10,11 @@ import signal
 import pytest
 
 from raytrm.cli import format_summary
+from raytrm.families import family
 from raytrm.train.loop import Hook
 from raytrm.train.run.experiment import resolve_experiment
 from raytrm.train.run.recording import StepTimes
-from raytrm.train.run.size_rule import ANCHORS, size_rule
+from raytrm.train.run.size_rule import size_rule
 from raytrm.train.run.training import run_training
 
 
@@ -92,7 +93,7 @@ def test_ctrl_c_or_sigterm_ends_the_run_with_a_checkpoint_and_a_summary(tiny, tm
 
 
 def test_the_size_rule_sets_lr_when_flags_move_the_default(caplog):
-    anchor = ANCHORS["trm"]
+    anchor = family("trm").anchor
     with caplog.at_level(logging.INFO, logger="raytrm.train.run.experiment"):
         wide, _ = resolve_experiment(
             config_file=None,
