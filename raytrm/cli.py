@@ -275,8 +275,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from raytrm.tune.profiles import export_run
 
-    for tier, path in export_run(args.run_dir, tier=args.tier, out=args.out).items():
-        print(f"wrote the profile of tier {tier} to {path}")
+    what = "Hugging Face TrainingArguments" if args.format == "hf" else "profile"
+    for tier, path in export_run(args.run_dir, tier=args.tier, out=args.out, form=args.format).items():
+        print(f"wrote the {what} of tier {tier} to {path}")
     return 0
 
 
@@ -495,6 +496,13 @@ def _add_export(sub: Any) -> None:
     p.add_argument("run_dir", help="a `raytrm tune` run directory")
     p.add_argument("--tier", help="the tier to export (default: every tuned tier, into RUN_DIR/profiles/)")
     p.add_argument("--out", metavar="FILE", help="profile file to write (with --tier)")
+    p.add_argument(
+        "--format",
+        choices=("profile", "hf"),
+        default="profile",
+        help="profile: raytrm's profile (YAML); hf: a Hugging Face model's settings as transformers' TrainingArguments "
+        "fields, with the max length and threads (JSON, for your own training script)",
+    )
     p.set_defaults(func=cmd_export)
 
 
