@@ -104,6 +104,32 @@ def read_fields(
         yield from _text_records(path, read_text(path), fields, labelled)
 
 
+def field_names(path: Path) -> list[str]:
+    """The fields a records file's records have: a CSV's header, a JSONL file's first record's keys, a Parquet file's
+    columns; [] for a file that is not records (text) or whose first record cannot be read (its reader says why)."""
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+
+            return list(pq.ParquetFile(path).schema_arrow.names)
+        except Exception:  # no pyarrow, or not Parquet: the reader says which, in one line
+            return []
+    if path.suffix not in (".csv", ".jsonl", ".json"):
+        return []
+    try:
+        with path.open(encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+    except (OSError, UnicodeDecodeError):
+        return []
+    if path.suffix == ".csv":
+        return next(csv.reader([first.removeprefix("\ufeff")]), [])
+    try:
+        record = json.loads(first)
+    except ValueError:
+        return []
+    return [str(key) for key in record] if isinstance(record, dict) else []
+
+
 def read_text(path: Path) -> str:
     """A text file's contents as UTF-8; a file that is not is one line naming the byte's offset."""
     data = path.read_bytes()

@@ -235,3 +235,20 @@ def test_the_byte_transformer_reads_one_field_as_before(tmp_path):
     assert list(read_records(path, path.read_text(), "body", "label")) == [
         (f"{path}:{i + 1}", ["7", "ham"][i % 2], f"body {i}") for i in range(4)
     ]
+
+
+def test_field_names_are_a_records_files_fields_and_none_for_text(tmp_path):
+    from raytrm.data.records import field_names
+
+    (tmp_path / "a.csv").write_text("\ufeffsubject,body,label\nhi,there,x\n")
+    (tmp_path / "a.jsonl").write_text('\n{"text": "hi", "label": 1}\n')
+    (tmp_path / "a.txt").write_text("plain text\n")
+    (tmp_path / "b.jsonl").write_text("not json\n")
+    assert field_names(tmp_path / "a.csv") == ["subject", "body", "label"]
+    assert field_names(tmp_path / "a.jsonl") == ["text", "label"]
+    assert field_names(tmp_path / "a.txt") == [] and field_names(tmp_path / "b.jsonl") == []
+    pyarrow = pytest.importorskip("pyarrow", reason="needs pyarrow (the hf extra)")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pyarrow.table({"text": ["a"], "label": ["b"]}), tmp_path / "a.parquet")
+    assert field_names(tmp_path / "a.parquet") == ["text", "label"]
