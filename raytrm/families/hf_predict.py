@@ -36,6 +36,7 @@ class Classifier:
 
     def __init__(self, run_dir: str | Path, device: str = "auto") -> None:
         run_dir = Path(run_dir)
+        # config.yaml: the run directory's config (raytrm.train.run.directory, a layer above this one, names it).
         config_file, model_dir = run_dir / "config.yaml", run_dir / MODEL_DIR
         if not config_file.is_file() or not model_dir.is_dir():
             missing = config_file if not config_file.is_file() else model_dir
@@ -59,6 +60,11 @@ class Classifier:
         self.device = devices.pick_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(self.device).eval()
+        if self.tokenizer.pad_token is None:  # a decoder's tokenizer often has none: pad as the run padded
+            pad = self.model.config.pad_token_id
+            self.tokenizer.pad_token = (
+                self.tokenizer.convert_ids_to_tokens(pad) if pad is not None else self.tokenizer.eos_token
+            )
         labels = self.model.config.id2label
         self.label_names = [str(labels[i]) for i in range(len(labels))]
 

@@ -20,7 +20,7 @@ from raytrm.data.loader import batch_indices
 from raytrm.errors import ConfigError, UserError
 from raytrm.families import family
 from raytrm.families.hf import HFTask
-from raytrm.families.hf_model import MAC_ENVIRONMENT, TOKENIZER_FILES, prepare_environment
+from raytrm.families.hf_model import MAC_ENVIRONMENT, TOKENIZER_FILES, prepare_environment, save_model_dir
 from raytrm.families.task import macro_f1
 from raytrm.train import checkpoint as ckpt
 from raytrm.train.run.metrics import read_metrics
@@ -158,6 +158,9 @@ def test_resume_is_exact_and_a_lora_checkpoint_holds_what_trains(hf_config, tmp_
     )
     scores = [k for k in straight if k.startswith("eval_")]
     assert scores and all(straight[k] == resumed[k] for k in scores)
+    assert (tmp_path / "split" / "model" / "config.json").exists() and not (
+        tmp_path / "split" / "model.partial"
+    ).exists()
     trainer = Trainer(hf_config(task, model))
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     if lora:
@@ -262,6 +265,13 @@ def test_the_run_leaves_a_model_directory_that_transformers_loads_and_serves(hf_
         probs = loaded(**encoded).logits.softmax(-1)[0]
     assert answer["score"] == pytest.approx(float(probs.max()), rel=1e-5)
     assert answer["label"] == loaded.config.id2label[int(probs.argmax())]
+    # Unmerged, the directory holds the adapters, which transformers loads onto model.path's weights.
+    adapters = save_model_dir(trainer.model, trainer.task.tokenizer, tmp_path / "adapters", merge=False)
+    assert (adapters / "adapter_config.json").exists() and not (adapters / "model.safetensors").exists()
+    with torch.no_grad():
+        again = AutoModelForSequenceClassification.from_pretrained(adapters).eval()
+        logits = again(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(logits, trained, rtol=1e-5, atol=1e-6)
 
 
 def test_the_run_writes_the_weights_its_final_evaluation_scored(hf_config, tmp_path):

@@ -113,3 +113,23 @@ def test_an_empty_file_and_a_run_without_its_model_are_one_line(run, tmp_path):
     (unfinished / "config.yaml").write_text((run / "config.yaml").read_text())
     with pytest.raises(UserError, match=r"unfinished: not a finished Hugging Face run, model is missing"):
         evaluate(unfinished, empty)
+
+
+def test_a_decoders_classifier_predicts_padded_batches_when_its_tokenizer_has_no_pad_token(
+    hf_config, hf_dirs, tmp_path
+):
+    run_dir = tmp_path / "run"
+    run_training(hf_config(model={"path": str(hf_dirs["lm"])}, steps=2, ema=False), run_dir)
+    tokenizer_config = run_dir / "model" / "tokenizer_config.json"
+    settings = json.loads(tokenizer_config.read_text())
+    settings.pop("pad_token")
+    tokenizer_config.write_text(json.dumps(settings))
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(run_dir / "model").pad_token is None
+    texts, _ = hf_stand_in.texts(20, seed=9)
+    out = predict(run_dir, write_jsonl(tmp_path / "new.jsonl", [{"text": t} for t in texts]), tmp_path / "out.csv")
+    rows = list(csv.DictReader(out.open()))
+    expected = reference(run_dir, texts)  # one text at a time: no padding
+    assert [r["label"] for r in rows] == [e["label"] for e in expected]
+    assert [float(r["score"]) for r in rows] == pytest.approx([e["score"] for e in expected], abs=2e-6)
