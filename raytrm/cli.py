@@ -199,6 +199,11 @@ def format_summary(summary: dict, run_dir: object) -> str:
             f"eval on {summary['eval_bytes']:.0f} held-out bytes: {summary['eval_bits_per_byte']:.3f} bits per byte "
             f"(the training bytes' unigram frequencies score {summary['eval_unigram_bits_per_byte']:.3f})"
         )
+    elif "eval_perplexity" in summary:
+        scores = (
+            f"eval on {summary['eval_tokens']:.0f} held-out tokens: loss {summary['eval_loss']:.3f}, perplexity "
+            f"{summary['eval_perplexity']:.2f}"
+        )
     elif "eval_macro_f1" in summary:
         scores = (
             f"eval on {summary['eval_documents']:.0f} held-out documents: accuracy {summary['eval_accuracy']:.3f} "
@@ -292,20 +297,36 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from raytrm.families.hf_predict import predict
     from raytrm.train.run.directory import guard_output
 
-    out = guard_output(args.out) if args.out else None
-    path, count = predict(args.run_dir, args.records, out)
-    print(f"wrote the label and score of {count} records to {path}")
+    records = Path(args.records)
+    out = guard_output(args.out or records.with_name(f"{records.stem}.predictions.csv"))
+    print(f"wrote each record's label and score to {predict(args.run_dir, records, out)}")
     return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from raytrm.families.hf_predict import evaluate, format_evaluation
+    from raytrm.families.hf_predict import evaluate
 
     print(format_evaluation(evaluate(args.run_dir, args.records)))
     return 0
+
+
+def format_evaluation(result: dict) -> str:
+    """Accuracy, macro-F1 and the confusion matrix (rows the true labels, columns the predicted ones) as a table."""
+    labels = [str(name) for name in result["labels"]]
+    width = max([8, *map(len, labels)])
+    lines = [
+        f"{result['documents']} records: accuracy {result['accuracy']:.3f}, macro-F1 {result['macro_f1']:.3f}",
+        "confusion (rows: true label, columns: predicted):",
+        " " * width + " " + " ".join(f"{name:>{width}}" for name in labels),
+    ]
+    for name, row in zip(labels, result["confusion"], strict=True):
+        lines.append(f"{name:>{width}} " + " ".join(f"{count:>{width}}" for count in row))
+    return "\n".join(lines)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,7 +165,7 @@ def _tokenize(
         positions.extend(map(_position, wheres))
         if task == "classify":
             labels.extend(names)
-            encoded = _encode_classify(tokenizer, texts, model.seq_len)
+            encoded = encode_records(tokenizer, texts, model.seq_len)
         else:
             # verbose=False: a document longer than the model's positions is no error here, it is cut into windows.
             encoded = tokenizer(
@@ -225,8 +225,11 @@ def _chunks(items: Iterator[Any]) -> Iterator[list[Any]]:
         yield batch
 
 
-def _encode_classify(tokenizer: Any, texts: tuple[tuple[str, ...], ...], max_length: int) -> dict[str, list]:
-    options = {"truncation": True, "max_length": max_length, "return_attention_mask": False}
+def encode_records(tokenizer: Any, texts: Sequence[tuple[str, ...]], max_length: int, **options: Any) -> dict[str, Any]:
+    """Records' texts as the model reads them, the one encoding of training, evaluation and predict: one field alone,
+    a pair as the tokenizer's own pair (its special tokens and segments), more joined with its separator; truncated
+    to max_length. options go to the tokenizer (padding, return_tensors)."""
+    options = {"truncation": True, "max_length": max_length, "return_attention_mask": False, **options}
     if len(texts[0]) == 1:
         return tokenizer([t[0] for t in texts], **options)
     if len(texts[0]) == 2:

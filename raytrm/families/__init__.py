@@ -52,6 +52,10 @@ class Family:
     #: What a run leaves behind besides its checkpoints, written by rank 0 after the final one: finish(task, run_dir)
     #: (the Hugging Face family's RUN_DIR/model); None for none.
     finish: Callable[[Any, Path], None] | None = None
+    #: Settings the family reads off the data where the flags of `raytrm train` left them unset, on the embedded
+    #: default: infer(experiment) fills the experiment's sections in place (hf: classify where the records have a
+    #: label column, else a language model).
+    infer: Callable[[dict[str, Any]], None] | None = None
 
 
 _FAMILIES: dict[str, Family] = {}

@@ -138,7 +138,9 @@ class HFTask:
         if longest is not None and longest < ids.shape[1]:
             ids = ids[:, :longest]
             mask = mask[:, :longest] if mask is not None else None
-        extra = {"use_cache": False} if self.lm else {}
+        extra: dict[str, Any] = {"use_cache": False} if self.lm else {}
+        if "token_type_ids" in batch:  # a pair's segments (BERT-style), cut as the ids are
+            extra["token_type_ids"] = rows(batch["token_type_ids"], part)[:, : ids.shape[1]]
         with self.autocast():
             return model(input_ids=ids, attention_mask=mask, **extra).logits
 
@@ -270,6 +272,26 @@ def _finish(task: HFTask, run_dir: Path) -> None:
     save_model_dir(task.model, task.tokenizer, Path(run_dir) / MODEL_DIR)
 
 
+def _infer(experiment: dict[str, Any]) -> None:
+    """A classifier where the records have a label column, a language model where they have text alone."""
+    from raytrm.data.records import field_names
+
+    data, model = experiment.setdefault("data", {}), experiment.setdefault("model", {})
+    if not data.get("path"):
+        return
+    path = Path(data["path"]).expanduser()
+    label = data.get("label_field", cfg.DataConfig().label_field)
+    fields = field_names(path) if path.is_file() else []
+    model["task"] = "classify" if label in fields else "lm"
+    logger.info(
+        "%s: %s (its %s), so a %s; --task sets it yourself",
+        path,
+        f"a {label!r} column" if label in fields else f"no {label!r} column",
+        "fields: " + ", ".join(fields) if fields else "text",
+        "classifier" if model["task"] == "classify" else "language model",
+    )
+
+
 register(
     Family(
         name="hf",
@@ -280,5 +302,6 @@ register(
         anchor=ANCHOR,
         lr_exponent=_lr_exponent,
         finish=_finish,
+        infer=_infer,
     )
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +19,18 @@ import numpy as np
 import torch
 
 from raytrm import config as cfg
-from raytrm.data.records import read_records
+from raytrm.data.hf_cache import encode_records
+from raytrm.data.records import read_fields
 from raytrm.errors import ConfigError, UserError
-from raytrm.families.hf_model import MODEL_DIR, join_fields, require_libraries
+from raytrm.families.hf_model import MODEL_DIR, require_libraries
 from raytrm.families.task import macro_f1
 from raytrm.hardware import device as devices
 
 logger = logging.getLogger(__name__)
 
 #: Records scored at once.
+#: What a sequence classifier's forward takes of an encoding.
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 BATCH = 32
 
 
@@ -69,28 +72,30 @@ class Classifier:
         self.label_names = [str(labels[i]) for i in range(len(labels))]
 
     @torch.no_grad()
-    def scores(self, texts: Sequence[str]) -> np.ndarray:
-        """Each text's probabilities over the labels, [len(texts), labels], a batch at a time."""
+    def scores(self, texts: Sequence[tuple[str, ...]]) -> np.ndarray:
+        """Each record's probabilities over the labels, [len(texts), labels], a batch at a time; its texts (one per
+        text field) encoded as training encoded them."""
         out = []
         for start in range(0, len(texts), BATCH):
-            encoded = self.tokenizer(
+            encoded = encode_records(
+                self.tokenizer,
                 list(texts[start : start + BATCH]),
-                truncation=True,
-                max_length=self.config.model.seq_len,
+                self.config.model.seq_len,
                 padding=True,
+                return_attention_mask=True,
                 return_tensors="pt",
             ).to(self.device)
-            logits = self.model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"]).logits
+            logits = self.model(**{k: v for k, v in encoded.items() if k in MODEL_INPUTS}).logits
             out.append(logits.float().softmax(-1).cpu().numpy())
         return np.concatenate(out) if out else np.zeros((0, len(self.label_names)))
 
-    def records(self, path: str | Path, labelled: bool) -> tuple[list[str], list[str | None], list[str]]:
+    def records(self, path: str | Path, labelled: bool) -> tuple[list[str], list[str | None], list[tuple[str, ...]]]:
         """(where, label, text) of each record of path, in order; an empty file is one line."""
         data = self.config.data
         path = Path(path).expanduser()
         if not path.is_file():
             raise ConfigError(str(path), "records", "no such file", "a CSV, JSONL or Parquet file", "check the path")
-        rows = list(_read(path, list(data.text_fields), data.label_field if labelled else None))
+        rows = list(read_fields(path, list(data.text_fields), data.label_field if labelled else None))
         if not rows:
             raise UserError(
                 f"{path}: no records (the file is empty); expected one record a line (JSONL) or row (CSV, Parquet) "
@@ -98,50 +103,8 @@ class Classifier:
             )
         wheres = [where for where, _, _ in rows]
         labels = [label for _, label, _ in rows]
-        texts = [join_fields(fields, self.tokenizer) for _, _, fields in rows]
+        texts = [tuple(fields) for _, _, fields in rows]
         return wheres, labels, texts
-
-
-def _read(path: Path, text_fields: list[str], label_field: str | None) -> Iterator[tuple[str, str | None, list[str]]]:
-    """(where, label or None, the texts of text_fields) of each record: Parquet's rows, or JSONL and CSV through
-    raytrm.data.records (each field's values checked as training checks them)."""
-    if path.suffix == ".parquet":
-        yield from _parquet(path, text_fields, label_field)
-        return
-    raw = path.read_text(encoding="utf-8")
-    per_field = [read_records(path, raw, field, label_field if i == 0 else None) for i, field in enumerate(text_fields)]
-    for parts in zip(*per_field, strict=True):
-        where, label, _ = parts[0]
-        yield where, label, [text for _, _, text in parts]
-
-
-def _parquet(path: Path, text_fields: list[str], label_field: str | None) -> Iterator[tuple[str, str | None, list]]:
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(path)
-    wanted = [*text_fields, *([label_field] if label_field else [])]
-    absent = [name for name in wanted if name not in table.column_names]
-    if absent:
-        raise UserError(
-            f"{path}: no column {absent[0]!r} (columns: {', '.join(table.column_names) or 'none'}); fix: name the "
-            "run's fields in the file, or score a file that has them"
-        )
-    columns = {name: table.column(name).to_pylist() for name in wanted}
-    for i in range(table.num_rows):
-        where = f"{path}:row {i + 1}"
-        texts = []
-        for name in text_fields:
-            value = columns[name][i]
-            if not isinstance(value, str) or not value:
-                raise ConfigError(where, name, value, "the record's text, a non-empty string", "fill it in or drop it")
-            texts.append(value)
-        label = None
-        if label_field:
-            value = columns[label_field][i]
-            if isinstance(value, bool) or not isinstance(value, (int, str)) or str(value).strip() == "":
-                raise ConfigError(where, label_field, value, "a label, a non-empty string or an integer", "label it")
-            label = str(value)
-        yield where, label, texts
 
 
 def predict(run_dir: str | Path, records_path: str | Path, out_path: str | Path, device: str = "auto") -> Path:
