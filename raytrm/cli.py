@@ -148,7 +148,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     profiles = args.profile or []
     distributed = args.workers is not None or args.address is not None
-    if args.quiet and not distributed:  # a distributed run routes its lines itself (raytrm.distributed.run_logs)
+    if args.quiet:  # a distributed run also routes Ray's and the workers' lines to its logs (distributed.run_logs)
         _warnings_only()
     if len(profiles) > 1 and not distributed:
         raise UserError("several --profile (one per tier) need --workers N or --address; give one to train alone")
