@@ -85,8 +85,25 @@ TRAIN_FLAGS = {
         "several workers: auto (from the measured link), exact, compressed (bf16) or local (rounds)",
     ),
     "--sync-every": ("training", "sync_every", int, "local rounds: inner steps per round (default: from the link)"),
-    "--model": ("model", "name", str, "model family: trm or transformer (default trm)"),
-    "--task": ("model", "task", str, "transformer head: lm (next byte) or classify (documents)"),
+    "--model": (
+        "model",
+        "name",
+        str,
+        "model family: trm, transformer or hf (your own Hugging Face model; default trm)",
+    ),
+    "--model-path": ("model", "path", str, "hf: a transformers model, a local directory (or a hub name)"),
+    "--lora-rank": (
+        "model",
+        "lora_rank",
+        int,
+        "hf: LoRA of this rank: only the adapters and a classifier's head train",
+    ),
+    "--task": (
+        "model",
+        "task",
+        str,
+        "transformer, hf: lm (next byte or token) or classify (documents); hf: from the records' label column if unset",
+    ),
     "--seq-len": ("model", "seq_len", int, "transformer: bytes per training sequence"),
     "--layers": ("model", "layers", int, "transformer blocks"),
     "--variant": ("model", "variant", str, "TRM variant: mlp_t or attention"),
@@ -103,7 +120,9 @@ TRAIN_FLAGS = {
         "or JSONL/CSV records (default: the Python standard library's sources)",
     ),
     "--text-field": ("data", "text_field", str, "transformer: JSONL field or CSV column of the text"),
-    "--label-field": ("data", "label_field", str, "transformer classify: JSONL field or CSV column of the label"),
+    "--label-field": ("data", "label_field", str, "classify: JSONL field or CSV/Parquet column of the label"),
+    "--text-fields": ("data", "text_fields", list, "hf records: the fields whose texts make a record's (subject body)"),
+    "--validation": ("data", "validation_path", str, "hf records: held-out records (default: a share of --data)"),
     "--givens": ("data", "givens", int, "Sudoku clues per puzzle (fewer is harder)"),
     "--train-puzzles": ("data", "train_puzzles", int, "puzzles generated for training"),
 }
@@ -129,7 +148,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     profiles = args.profile or []
     distributed = args.workers is not None or args.address is not None
-    if args.quiet and not distributed:  # a distributed run routes its lines itself (raytrm.distributed.run_logs)
+    if args.quiet:  # a distributed run also routes Ray's and the workers' lines to its logs (distributed.run_logs)
         _warnings_only()
     if len(profiles) > 1 and not distributed:
         raise UserError("several --profile (one per tier) need --workers N or --address; give one to train alone")
@@ -179,6 +198,11 @@ def format_summary(summary: dict, run_dir: object) -> str:
         scores = (
             f"eval on {summary['eval_bytes']:.0f} held-out bytes: {summary['eval_bits_per_byte']:.3f} bits per byte "
             f"(the training bytes' unigram frequencies score {summary['eval_unigram_bits_per_byte']:.3f})"
+        )
+    elif "eval_perplexity" in summary:
+        scores = (
+            f"eval on {summary['eval_tokens']:.0f} held-out tokens: loss {summary['eval_loss']:.3f}, perplexity "
+            f"{summary['eval_perplexity']:.2f}"
         )
     elif "eval_macro_f1" in summary:
         scores = (
@@ -272,11 +296,45 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_predict(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from raytrm.families.hf_predict import predict
+    from raytrm.train.run.directory import guard_output
+
+    records = Path(args.records)
+    out = guard_output(args.out or records.with_name(f"{records.stem}.predictions.csv"))
+    print(f"wrote each record's label and score to {predict(args.run_dir, records, out)}")
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from raytrm.families.hf_predict import evaluate
+
+    print(format_evaluation(evaluate(args.run_dir, args.records)))
+    return 0
+
+
+def format_evaluation(result: dict) -> str:
+    """Accuracy, macro-F1 and the confusion matrix (rows the true labels, columns the predicted ones) as a table."""
+    labels = [str(name) for name in result["labels"]]
+    width = max([8, *map(len, labels)])
+    lines = [
+        f"{result['documents']} records: accuracy {result['accuracy']:.3f}, macro-F1 {result['macro_f1']:.3f}",
+        "confusion (rows: true label, columns: predicted):",
+        " " * width + " " + " ".join(f"{name:>{width}}" for name in labels),
+    ]
+    for name, row in zip(labels, result["confusion"], strict=True):
+        lines.append(f"{name:>{width}} " + " ".join(f"{count:>{width}}" for count in row))
+    return "\n".join(lines)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from raytrm.tune.profiles import export_run
 
-    for tier, path in export_run(args.run_dir, tier=args.tier, out=args.out).items():
-        print(f"wrote the profile of tier {tier} to {path}")
+    what = "Hugging Face TrainingArguments" if args.format == "hf" else "profile"
+    for tier, path in export_run(args.run_dir, tier=args.tier, out=args.out, form=args.format).items():
+        print(f"wrote the {what} of tier {tier} to {path}")
     return 0
 
 
@@ -399,6 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_report,
         _add_import_checkpoint,
         _add_export_checkpoint,
+        _add_predict,
+        _add_evaluate,
         _add_cluster,
     ):
         add(sub)
@@ -474,7 +534,8 @@ def _add_train(sub: Any) -> None:
         "the workers' lines are in RUN_DIR/logs/ with or without it)",
     )
     for flag, (_, _, kind, text) in TRAIN_FLAGS.items():
-        p.add_argument(flag, dest=_flag_dest(flag), type=kind, default=None, help=text)
+        many = {"nargs": "+", "type": str} if kind is list else {"type": kind}
+        p.add_argument(flag, dest=_flag_dest(flag), default=None, help=text, **many)
     p.set_defaults(func=cmd_train)
 
 
@@ -495,6 +556,13 @@ def _add_export(sub: Any) -> None:
     p.add_argument("run_dir", help="a `raytrm tune` run directory")
     p.add_argument("--tier", help="the tier to export (default: every tuned tier, into RUN_DIR/profiles/)")
     p.add_argument("--out", metavar="FILE", help="profile file to write (with --tier)")
+    p.add_argument(
+        "--format",
+        choices=("profile", "hf"),
+        default="profile",
+        help="profile: raytrm's profile (YAML); hf: a Hugging Face model's settings as transformers' TrainingArguments "
+        "fields, with the max length and threads (JSON, for your own training script)",
+    )
     p.set_defaults(func=cmd_export)
 
 
@@ -522,6 +590,25 @@ def _add_export_checkpoint(sub: Any) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="file to write")
     p.add_argument("--raw-weights", action="store_true", help="export the raw weights instead of the EMA")
     p.set_defaults(func=cmd_export_checkpoint)
+
+
+def _add_predict(sub: Any) -> None:
+    """`raytrm predict`'s arguments."""
+    p = sub.add_parser("predict", help="label records with a trained Hugging Face classifier (RUN_DIR/model)")
+    p.add_argument("run_dir", help="a `raytrm train --model hf` run directory")
+    p.add_argument("records", help="a CSV, JSONL or Parquet file of records with the run's text fields")
+    p.add_argument(
+        "--out", metavar="FILE", help="CSV of each record's label and score (default: RECORDS.predictions.csv)"
+    )
+    p.set_defaults(func=cmd_predict)
+
+
+def _add_evaluate(sub: Any) -> None:
+    """`raytrm evaluate`'s arguments."""
+    p = sub.add_parser("evaluate", help="accuracy, macro-F1 and the confusion matrix of a trained classifier")
+    p.add_argument("run_dir", help="a `raytrm train --model hf` run directory")
+    p.add_argument("records", help="labelled records (CSV, JSONL or Parquet) with the run's text and label fields")
+    p.set_defaults(func=cmd_evaluate)
 
 
 def _add_cluster(sub: Any) -> None:

@@ -49,34 +49,38 @@ MACHINE_SETTINGS = (
 
 TRM = ("trm",)
 TRANSFORMER = ("transformer",)
+HF = ("hf",)
+NATIVE = ("trm", "transformer")  # raytrm's own models, whose shape the config sets
+TEXT_MODELS = ("transformer", "hf")
 
 
 @dataclass
 class ModelConfig:
-    """The network: TRM (attention or mlp_t) or a plain transformer (language model or classifier).
+    """The network: TRM (attention or mlp_t), a plain byte-level transformer, or a Hugging Face transformers model
+    (language model or classifier).
 
-    One flat config for both families; each field says which families it applies to, and setting a field away from
+    One flat config for every family; each field says which families it applies to, and setting a field away from
     its default for a family it does not apply to is an error (a typo'd experiment, not a silent no-op).
     """
 
-    name: str = spec("trm", "model family", choices=("trm", "transformer"))
+    name: str = spec("trm", "model family", choices=("trm", "transformer", "hf"))
     variant: str = spec(
         "mlp_t",
         "TRM block mixer: self-attention, or an MLP across positions",
         choices=("attention", "mlp_t"),
         when=TRM,
     )
-    hidden_size: int = spec(512, "width of the residual stream", ge=8)
-    num_heads: int = spec(8, "attention heads (TRM attention variant, transformer)", ge=1)
-    expansion: float = spec(4.0, "SwiGLU expansion factor before the 2/3 rule and rounding to 256", gt=0)
+    hidden_size: int = spec(512, "width of the residual stream", ge=8, when=NATIVE)
+    num_heads: int = spec(8, "attention heads (TRM attention variant, transformer)", ge=1, when=NATIVE)
+    expansion: float = spec(4.0, "SwiGLU expansion factor before the 2/3 rule and rounding to 256", gt=0, when=NATIVE)
     L_layers: int = spec(2, "blocks in the one recursive network", ge=1, when=TRM)
     H_cycles: int = spec(
         3, "outer recursion rounds per supervision step (all but the last without gradient)", ge=1, when=TRM
     )
     L_cycles: int = spec(6, "latent updates per outer round", ge=1, when=TRM)
     pos_encodings: str = spec("none", "positional encoding", choices=("rope", "learned", "none"), when=TRM)
-    rope_theta: float = spec(10000.0, "RoPE base", gt=0)
-    rms_norm_eps: float = spec(1e-5, "RMSNorm epsilon", gt=0)
+    rope_theta: float = spec(10000.0, "RoPE base", gt=0, when=NATIVE)
+    rms_norm_eps: float = spec(1e-5, "RMSNorm epsilon", gt=0, when=NATIVE)
     puzzle_emb_len: int = spec(16, "positions prepended for the puzzle embedding (0 disables it)", ge=0, when=TRM)
     halt_max_steps: int = spec(16, "most supervision steps a sample gets before it is halted", ge=1, when=TRM)
     halt_exploration_prob: float = spec(
@@ -87,12 +91,17 @@ class ModelConfig:
     )
     task: str = spec(
         "lm",
-        "transformer head: next-byte language model, or document classifier",
+        "transformer and hf: a language model (next byte or token), or a document classifier",
         choices=("lm", "classify"),
-        when=TRANSFORMER,
+        when=TEXT_MODELS,
     )
     layers: int = spec(4, "transformer blocks", ge=1, when=TRANSFORMER)
-    seq_len: int = spec(256, "tokens (bytes) per training sequence", ge=8, when=TRANSFORMER)
+    seq_len: int = spec(
+        256,
+        "tokens per training sequence (transformer: bytes; hf: the most kept of a record, longer ones truncated)",
+        ge=8,
+        when=TEXT_MODELS,
+    )
     dropout: float = spec(0.0, "dropout after attention and MLP", ge=0, le=0.9, when=TRANSFORMER)
     tie_embeddings: bool = spec(True, "share the input embedding with the output head (lm)", when=TRANSFORMER)
     pooling: str = spec(
@@ -104,11 +113,44 @@ class ModelConfig:
     gradient_checkpointing: bool = spec(
         False, "recompute block activations in backward to save memory", when=TRANSFORMER
     )
+    path: str | None = spec(
+        None,
+        "hf: the transformers model, a local directory (as save_pretrained writes one) or a hub name transformers "
+        "resolves and caches",
+        when=HF,
+    )
+    lora_rank: int | None = spec(
+        None,
+        "hf: LoRA (peft) of this rank: only the adapters and a classifier's head train; None = the whole model",
+        ge=1,
+        when=HF,
+    )
+    lora_alpha: float = spec(16.0, "hf: LoRA's scale numerator (the update is scaled by alpha / rank)", gt=0, when=HF)
+    lora_dropout: float = spec(0.0, "hf: dropout on LoRA's input", ge=0, le=0.9, when=HF)
+    lora_targets: list | None = spec(
+        None, "hf: names of the modules LoRA wraps; None = peft's choice for the architecture", when=HF
+    )
     forward_dtype: str = spec("auto", "dtype of the forward pass; auto lets the device module choose", choices=DTYPES)
 
     def validate(self, source: str, prefix: str = "model") -> None:
         check_applies(self, source, prefix)
-        if (self.name == "transformer" or self.variant == "attention") and self.hidden_size % self.num_heads:
+        if self.name == "hf" and not self.path:
+            raise ConfigError(
+                source,
+                f"{prefix}.path",
+                None,
+                "a transformers model: a local directory or a hub name",
+                "give model.path (flag: --model-path DIR)",
+            )
+        if self.lora_rank is None and self.lora_targets is not None:
+            raise ConfigError(
+                source, f"{prefix}.lora_targets", self.lora_targets, "unset without lora_rank", "set lora_rank too"
+            )
+        if (
+            self.name in NATIVE
+            and (self.name == "transformer" or self.variant == "attention")
+            and (self.hidden_size % self.num_heads)
+        ):
             raise ConfigError(
                 source,
                 f"{prefix}.num_heads",
@@ -133,17 +175,23 @@ def model_fields(name: str) -> tuple[str, ...]:
 
 PUZZLES = ("sudoku", "maze")
 TEXT = ("text",)
+RECORDS = ("records",)
+LABELLED = ("text", "records")
+#: The data kinds each model family trains on (raytrm.families registers the same).
+DATA_KINDS = {"trm": PUZZLES, "transformer": TEXT, "hf": RECORDS}
 
 
 @dataclass
 class DataConfig:
-    """The dataset: generated Sudoku or maze, a directory in the TRM reference layout, or text (transformer)."""
+    """The dataset: generated Sudoku or maze, a directory in the TRM reference layout, text (the byte transformer),
+    or a user's records (a Hugging Face model: CSV, JSONL or Parquet)."""
 
-    name: str = spec("sudoku", "dataset kind", choices=("sudoku", "maze", "text"))
+    name: str = spec("sudoku", "dataset kind", choices=("sudoku", "maze", "text", "records"))
     path: str | None = spec(
         None,
-        "dataset directory in the reference layout, or for text a file, a directory of files, or JSONL/CSV; "
-        "None generates one into the cache (text: the Python standard library's sources)",
+        "dataset directory in the reference layout, or for text a file, a directory of files, or JSONL/CSV; for "
+        "records a CSV, JSONL or Parquet file; None generates one into the cache (text: the Python standard "
+        "library's sources)",
     )
     train_puzzles: int = spec(2000, "base puzzles generated for training", ge=1, when=PUZZLES)
     test_puzzles: int = spec(200, "base puzzles generated for evaluation", ge=1, when=PUZZLES)
@@ -152,7 +200,21 @@ class DataConfig:
     maze_size: int = spec(30, "maze side length in cells", ge=5, when=("maze",))
     seed: int = spec(0, "generator seed")
     text_field: str = spec("text", "the field (JSONL) or column (CSV) holding a document's text", when=TEXT)
-    label_field: str = spec("label", "the field (JSONL) or column (CSV) holding a document's class label", when=TEXT)
+    label_field: str = spec(
+        "label", "the field (JSONL) or column (CSV, Parquet) holding a document's class label", when=LABELLED
+    )
+    text_fields: list = spec(
+        ["text"],
+        "records: the fields whose texts make a record's text, joined with the tokenizer's separator (a subject "
+        "and a body, say)",
+        when=RECORDS,
+    )
+    validation_path: str | None = spec(
+        None, "records: the held-out records; None = a stratified, seeded share of path", when=RECORDS
+    )
+    validation_share: float = spec(
+        0.1, "records: the share of path held out when no validation_path is given", gt=0, le=0.5, when=RECORDS
+    )
     stream_above_mb: float = spec(
         200.0,
         "a token cache larger than this (MiB) is read from disk on demand, not loaded into memory",
@@ -326,16 +388,16 @@ class ExperimentConfig:
 
 
 def check_model_data(model: ModelConfig, data: DataConfig, source: str) -> None:
-    """The transformer trains on text and TRM on puzzles; any other pairing is one clear error."""
-    if (model.name == "transformer") != (data.name == "text"):
-        wanted = "text" if model.name == "transformer" else "sudoku or maze"
+    """Each family trains on its own data kinds (DATA_KINDS); any other pairing is one clear error."""
+    wanted = DATA_KINDS[model.name]
+    if data.name not in wanted:
         raise ConfigError(
             source,
             "data.name",
             data.name,
-            f"{wanted} for model.name {model.name}",
-            "set data.name: text with model.name: transformer (flags: --model transformer), "
-            "or a puzzle dataset with model.name: trm",
+            f"{' or '.join(wanted)} for model.name {model.name}",
+            "pair text with model.name: transformer (flags: --model transformer), records with model.name: hf "
+            "(--model hf), or a puzzle dataset with model.name: trm",
         )
 
 

@@ -3,7 +3,8 @@
 A family is one module of this package that registers a `Family` at import: how its task is built (its data, its
 model, one micro-batch's loss and its evaluation: raytrm.families.task.Task), which data kinds it trains on, the
 one-line check of a data path before a run starts, the experiment `raytrm train --model NAME` runs without a config,
-and where that default was tuned (the size rule's anchor) with how its learning rate falls with width. Every module
+where that default was tuned (the size rule's anchor) with how its learning rate falls with width, and what a run
+leaves behind besides its checkpoints (the Hugging Face family's model directory). Every module
 here is found and imported on the first lookup, so adding a family is adding its module. (Its config fields are
 declared with the others in raytrm.config, which is read before any family is imported.)
 """
@@ -14,6 +15,7 @@ import dataclasses
 import importlib
 import pkgutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from raytrm import config as cfg
@@ -47,10 +49,17 @@ class Family:
     #: How the learning rate falls with width for a model of this family: (the kind in words, the exponent of
     #: anchor width / width).
     lr_exponent: Callable[[cfg.ModelConfig], tuple[str, float]]
+    #: What a run leaves behind besides its checkpoints, written by rank 0 after the final one: finish(task, run_dir)
+    #: (the Hugging Face family's RUN_DIR/model); None for none.
+    finish: Callable[[Any, Path], None] | None = None
+    #: Settings the family reads off the data where the flags of `raytrm train` left them unset, on the embedded
+    #: default: infer(experiment) fills the experiment's sections in place (hf: classify where the records have a
+    #: label column, else a language model).
+    infer: Callable[[dict[str, Any]], None] | None = None
 
 
 _FAMILIES: dict[str, Family] = {}
-_HELPERS = ("task",)  # modules of this package that are not families
+_HELPERS = ("task", "hf_model", "hf_predict")  # modules of this package that are not families
 
 
 def register(family: Family) -> Family:

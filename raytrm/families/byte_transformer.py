@@ -176,7 +176,7 @@ def _lr_exponent(model: cfg.ModelConfig) -> tuple[str, float]:
 register(
     Family(
         name="transformer",
-        data_kinds=("text",),
+        data_kinds=cfg.DATA_KINDS["transformer"],
         build=TransformerTask,
         require_data=_require_data,
         embedded_default=EMBEDDED_DEFAULT,

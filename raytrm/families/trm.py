@@ -230,7 +230,7 @@ def _lr_exponent(model: cfg.ModelConfig) -> tuple[str, float]:
 register(
     Family(
         name="trm",
-        data_kinds=("sudoku", "maze"),
+        data_kinds=cfg.DATA_KINDS["trm"],
         build=TRMTask,
         require_data=_require_data,
         embedded_default=EMBEDDED_DEFAULT,

@@ -158,6 +158,13 @@ class _Shapes:
                     self.tensor(f"{key} state[{index}].{name}", moment, shapes[index])
 
 
+def model_state(trainer: Any) -> dict[str, torch.Tensor]:
+    """The model's part of a checkpoint: what trains, where the task says (its `trained_state`: LoRA's adapters and a
+    classifier's head, whose base weights come from the model's own directory), else the model's whole state."""
+    trained = getattr(trainer.task, "trained_state", None)
+    return trained() if trained is not None else trainer.model.state_dict()
+
+
 def _shapes(params: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in params]
 
@@ -182,7 +189,7 @@ def _carry_shapes(trainer: Any) -> dict[str, tuple[int, ...]] | None:
 def _expect_trainer(wrong: _Shapes, state: dict[str, Any], trainer: Any) -> None:
     """Every tensor of the trainer's state and of its parts' (see the module docstring) against the trainer's."""
     model = trainer.model
-    wrong.mapping("model", state.get("model", _MISSING), {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    wrong.mapping("model", state.get("model", _MISSING), {k: tuple(v.shape) for k, v in model_state(trainer).items()})
     wrong.optimizer("optimizer", state.get("optimizer", _MISSING), _optimizer_groups(trainer.optimizer))
     if trainer.sparse_optimizer is not None and state.get("sparse_optimizer") is not None:
         wrong.optimizer("sparse_optimizer", state["sparse_optimizer"], _optimizer_groups(trainer.sparse_optimizer))

@@ -1,7 +1,8 @@
 """What a Trainer's checkpoint holds, and how a checkpoint is restored into a Trainer (invariant 6: resume is exact).
 
-The state is complete: model, optimizers, EMA, the carry of every slot of the global batch (so a resume may split it
-between another number of workers), the shares and cuts, the step, the samples seen, the RNG states and the config.
+The state is complete: the model (what trains of it, where its task says: LoRA's adapters, whose base weights are the
+model directory's), optimizers, EMA, the carry of every slot of the global batch (so a resume may split it between
+another number of workers), the shares and cuts, the step, the samples seen, the RNG states and the config.
 A state is checked against the Trainer before anything is restored (raytrm.train.checkpoint_fit): one written for
 another experiment, or with tensors of other shapes, is refused in one line.
 """
@@ -14,7 +15,7 @@ import torch
 
 from raytrm import config as cfg
 from raytrm.sync.shares import shard
-from raytrm.train.checkpoint_fit import check_checkpoint_fits
+from raytrm.train.checkpoint_fit import check_checkpoint_fits, model_state
 from raytrm.train.memory.fit import cut
 from raytrm.train.optim import load_optimizer_state
 
@@ -22,7 +23,7 @@ from raytrm.train.optim import load_optimizer_state
 def capture(trainer: Any) -> dict[str, Any]:
     """Everything a resume needs (with several workers, a collective: the carry and the cuts are gathered)."""
     return {
-        "model": trainer.model.state_dict(),
+        "model": model_state(trainer),
         "optimizer": trainer.optimizer.state_dict(),
         "sparse_optimizer": trainer.sparse_optimizer.state_dict() if trainer.sparse_optimizer else None,
         "ema": trainer.ema.state_dict() if trainer.ema else None,
@@ -40,7 +41,11 @@ def capture(trainer: Any) -> dict[str, Any]:
 def restore(trainer: Any, state: dict[str, Any]) -> None:
     """Load a checkpoint's state into the trainer, once it is checked to fit."""
     check_checkpoint_fits(state, trainer)
-    trainer.model.load_state_dict(state["model"])
+    load_trained = getattr(trainer.task, "load_trained_state", None)
+    if load_trained is not None:
+        load_trained(state["model"])
+    else:
+        trainer.model.load_state_dict(state["model"])
     load_optimizer_state(trainer.optimizer, state["optimizer"])
     if trainer.sparse_optimizer and state["sparse_optimizer"]:
         load_optimizer_state(trainer.sparse_optimizer, state["sparse_optimizer"])

@@ -18,6 +18,7 @@ from raytrm import config as cfg
 from raytrm.errors import UserError
 from raytrm.train.run.directory import guard_output
 from raytrm.tune import objectives
+from raytrm.tune.hf_arguments import hf_arguments
 from raytrm.tune.layout import PROFILES_DIR, read_state, read_sync, run_space
 from raytrm.tune.space import SearchSpace, horizon_of
 from raytrm.tune.studies import ranked, staged_candidates
@@ -166,34 +167,39 @@ def _with_sync(training: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     return record
 
 
-def _check_out(out: Path) -> None:
+def _check_out(out: Path, form: str = "profile") -> None:
     """--out names the profile file to write: a directory, or a file that is not a profile (a checkpoint, a run's
-    config, tune.yaml), is refused and left as it is; an earlier profile is replaced, as an export again means."""
+    config, tune.yaml), is refused and left as it is; an earlier profile (of the form asked) is replaced, as an
+    export again means."""
     if out.exists() and not out.is_dir():
         guard_output(out)  # a run's own file or a checkpoint: named as such
     if out.is_dir():
         raise UserError(f"--out {out}: a directory; expected the profile's file name; fix: e.g. --out {out}/TIER.yaml")
     if not out.exists():
         return
+    key = "training_arguments" if form == "hf" else "raytrm_profile"
     try:
-        data = cfg.read_yaml(out)
+        data = cfg.read_yaml(out)  # JSON is YAML too
     except UserError:
         data = None
-    if not isinstance(data, dict) or "raytrm_profile" not in data:
+    if not isinstance(data, dict) or key not in data:
         raise UserError(
             f"--out {out}: an existing file that is not a raytrm profile; refusing to replace it; fix: give --out a "
             "new file name (or an earlier profile, to replace it)"
         )
 
 
-def export_run(run_dir: str | Path, tier: str | None = None, out: str | None = None) -> dict[str, Path]:
-    """Write the profile of one tier (or of every tier with a feasible trial); returns tier -> path."""
+def export_run(
+    run_dir: str | Path, tier: str | None = None, out: str | None = None, form: str = "profile"
+) -> dict[str, Path]:
+    """Write the profile of one tier (or of every tier with a feasible trial); returns tier -> path. form "hf": a
+    Hugging Face model's settings as TrainingArguments' fields, in JSON (raytrm.tune.hf_arguments)."""
     run_dir = Path(run_dir)
     tiers = [tier] if tier else read_state(run_dir)["tiers"]
     if out and len(tiers) > 1:
         raise UserError(f"--out names one file but {run_dir} has tiers {', '.join(tiers)}; add --tier")
     if out:
-        _check_out(Path(out))
+        _check_out(Path(out), form)
     written = {}
     for name in tiers:
         try:
@@ -202,6 +208,11 @@ def export_run(run_dir: str | Path, tier: str | None = None, out: str | None = N
             if tier:
                 raise
             logger.warning("%s", e)
+            continue
+        if form == "hf":
+            target = Path(out) if out else run_dir / PROFILES_DIR / f"{name}.hf.json"
+            arguments = hf_arguments(profile, str(run_dir))
+            written[name] = cfg.write_text_atomic(json.dumps(arguments, indent=2) + "\n", target)
             continue
         written[name] = cfg.write_yaml(profile, Path(out) if out else run_dir / PROFILES_DIR / f"{name}.yaml")
     if not written:

@@ -282,6 +282,8 @@ VALID = {
     "report": ["r"],
     "import-checkpoint": ["c.pt", "--out", "r"],
     "export-checkpoint": ["r", "--out", "c.pt"],
+    "predict": ["r", "records.csv"],
+    "evaluate": ["r", "records.csv"],
     "cluster": ["status"],
 }
 

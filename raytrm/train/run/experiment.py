@@ -222,6 +222,9 @@ def resolve_experiment(
     merged = _merge(base, overrides)
     if source == "the embedded default":
         merged = _apply_size_rule(merged, overrides)
+        infer = family(str(merged["model"].get("name", cfg.ModelConfig().name))).infer
+        if infer is not None and "task" not in overrides.get("model", {}):
+            infer(merged)
     source = source if not overrides else f"{source} + flags"
     experiment = cfg.from_dict(cfg.ExperimentConfig, merged, source)
     # Bad input is one line: the config and its data path are checked before the machine's tier is looked up

@@ -20,6 +20,7 @@ from typing import Any
 
 from raytrm import config as cfg
 from raytrm.errors import UserError
+from raytrm.families import family
 from raytrm.hardware.pressure import MemoryReader
 from raytrm.hardware.thermal import ThermalReader
 from raytrm.sync.contract import GradientSync
@@ -145,6 +146,8 @@ def run_training(
         loop = Loop(trainer, [h for h in hooks if h is not None], logged=lambda step: _logged(step, train))
         with interrupts.installed() if interrupts is not None else contextlib.nullcontext():
             loop.run()
+        if rank0:
+            _finish(trainer, run_dir)
         summary = _summary(trainer, loop, memory, thermal, peers, evaluations.final, checkpoints.last)
         summary.update(times.summary())
         summary.update(trainer.strategy.summary())
@@ -157,6 +160,16 @@ def run_training(
     if rank0:
         write_json(summary, run_dir / SUMMARY_FILE)
     return summary
+
+
+def _finish(trainer: Trainer, run_dir: Path) -> None:
+    """What the family leaves besides the checkpoints (the Hugging Face model's directory), after the final one: of
+    the weights the final evaluation scored (the EMA's, where the run keeps one)."""
+    finish = family(trainer.config.model.name).finish
+    if finish is None:
+        return
+    with trainer.ema.swapped(trainer.model) if trainer.ema is not None else contextlib.nullcontext():
+        finish(trainer.task, run_dir)
 
 
 def _logged(step: int, train: cfg.TrainConfig) -> bool:

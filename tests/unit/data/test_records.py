@@ -4,11 +4,13 @@ value, never trained on as something else."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from raytrm import config as cfg
 from raytrm.cli import main
+from raytrm.data.records import read_fields, read_records
 from raytrm.data.text import open_text_dataset
 from raytrm.errors import UserError
 
@@ -142,3 +144,111 @@ def test_a_jsonl_text_may_hold_any_line_separator_but_a_newline(tmp_path):
     train, test = open_split(path)
     assert len(train) + len(test) == 20
     assert bytes(train.cache.tokens[: train.cache.offsets[1]]) == "line\u2028sep\u0085 0\r\n".encode()
+
+
+# -- several text fields, and Parquet (the hf family's records) -----------------------------------------------------
+
+PAIRS = [{"subject": f"subject {i}", "body": f"body {i}", "label": [7, "ham"][i % 2]} for i in range(4)]
+WANT = [(f"subject {i}", f"body {i}") for i in range(4)]
+
+
+def write_records(path, rows):
+    if path.suffix == ".parquet":
+        pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".csv":
+        path.write_text("subject,body,label\n" + "".join(f"{r['subject']},{r['body']},{r['label']}\n" for r in rows))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(("suffix", "lines"), [(".jsonl", [1, 2, 3, 4]), (".csv", [2, 3, 4, 5])])
+def test_several_text_fields_in_their_order_with_each_records_line(tmp_path, suffix, lines):
+    rows = [{**r, "label": str(r["label"])} for r in PAIRS] if suffix == ".csv" else PAIRS
+    path = write_records(tmp_path / f"d{suffix}", rows)
+    got = list(read_fields(path, ["subject", "body"], "label"))
+    assert got == [(f"{path}:{n}", ["7", "ham"][i % 2], WANT[i]) for i, n in enumerate(lines)]
+    assert [texts for _, _, texts in read_fields(path, ["body", "subject"], None)] == [w[::-1] for w in WANT]
+    assert {label for _, label, _ in read_fields(path, ["body"], None)} == {None}
+
+
+def test_parquet_rows_are_read_and_named_by_their_row(tmp_path):
+    rows = [{**r, "label": str(r["label"])} for r in PAIRS]  # a Parquet column has one type
+    path = write_records(tmp_path / "d.parquet", rows)
+    assert list(read_fields(path, ["subject", "body"], "label")) == [
+        (f"{path}: row {i + 1}", r["label"], WANT[i]) for i, r in enumerate(rows)
+    ]
+    ints = write_records(tmp_path / "i.parquet", [{**r, "label": i % 3} for i, r in enumerate(PAIRS)])
+    assert [label for _, label, _ in read_fields(ints, ["subject"], "label")] == ["0", "1", "2", "0"]
+
+
+@pytest.mark.parametrize(
+    ("suffix", "bad", "piece"),
+    [
+        (".jsonl", {"body": None}, "d.jsonl:3: body: got None, expected the document's text"),
+        (".jsonl", {"body": 5}, "d.jsonl:3: body: got 5, expected the document's text"),
+        (".parquet", {"body": None}, "d.parquet: row 3: body: got None, expected the document's text"),
+        (".parquet", {"body": ""}, "d.parquet: row 3: body: got '', expected the document's text"),
+        (".parquet", {"label": None}, "d.parquet: row 3: label: got None, expected the document's class"),
+        (".jsonl", {"label": 2.0}, "d.jsonl:3: label: got 2.0, expected the document's class"),
+    ],
+)
+def test_each_text_field_and_the_label_are_checked(tmp_path, suffix, bad, piece):
+    rows = [{**r, "label": str(r["label"])} for r in PAIRS]
+    rows[2] = {**rows[2], **bad}
+    path = write_records(tmp_path / f"d{suffix}", rows)
+    with pytest.raises(UserError) as refused:
+        list(read_fields(path, ["subject", "body"], "label"))
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path}/{piece}") and "\n" not in message, message
+    assert message.endswith("naming the field that holds the text") or "data.label_field" in message, message
+
+
+def test_parquet_columns_of_another_type_are_refused_not_converted(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"subject": [1, 2], "body": ["a", "b"], "label": [0.5, 1.5]}), path)
+    with pytest.raises(UserError, match=r"d.parquet: row 1: subject: got 1, expected the document's text"):
+        list(read_fields(path, ["subject", "body"], "label"))
+    with pytest.raises(UserError, match=r"d.parquet: row 1: label: got 0.5, expected the document's class"):
+        list(read_fields(path, ["body"], "label"))
+    with pytest.raises(UserError) as refused:
+        list(read_fields(path, ["body", "text"], "label"))
+    assert str(refused.value) == (
+        f"{path}: no column 'text' (columns: subject, body, label); fix: pass data.text_fields with one of them"
+    )
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    path = tmp_path / "d.parquet"
+    path.write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # an import of it fails, as where it is not installed
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(UserError) as refused:
+        list(read_fields(path, ["text"], "label"))
+    assert str(refused.value) == f'{path}: reading Parquet needs pyarrow; fix: pip install "raytrm[hf]"'
+
+
+def test_the_byte_transformer_reads_one_field_as_before(tmp_path):
+    path = write_records(tmp_path / "d.jsonl", PAIRS)
+    assert list(read_records(path, path.read_text(), "body", "label")) == [
+        (f"{path}:{i + 1}", ["7", "ham"][i % 2], f"body {i}") for i in range(4)
+    ]
+
+
+def test_field_names_are_a_records_files_fields_and_none_for_text(tmp_path):
+    from raytrm.data.records import field_names
+
+    (tmp_path / "a.csv").write_text("\ufeffsubject,body,label\nhi,there,x\n")
+    (tmp_path / "a.jsonl").write_text('\n{"text": "hi", "label": 1}\n')
+    (tmp_path / "a.txt").write_text("plain text\n")
+    (tmp_path / "b.jsonl").write_text("not json\n")
+    assert field_names(tmp_path / "a.csv") == ["subject", "body", "label"]
+    assert field_names(tmp_path / "a.jsonl") == ["text", "label"]
+    assert field_names(tmp_path / "a.txt") == [] and field_names(tmp_path / "b.jsonl") == []
+    pyarrow = pytest.importorskip("pyarrow", reason="needs pyarrow (the hf extra)")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pyarrow.table({"text": ["a"], "label": ["b"]}), tmp_path / "a.parquet")
+    assert field_names(tmp_path / "a.parquet") == ["text", "label"]

@@ -14,18 +14,23 @@ from raytrm.train.trainer import Trainer
 
 
 def test_every_family_module_registers_itself_and_names_its_data():
-    assert names() == ["transformer", "trm"]
+    assert names() == ["hf", "transformer", "trm"]
     assert family("trm").data_kinds == ("sudoku", "maze") and family("transformer").data_kinds == ("text",)
+    assert family("hf").data_kinds == ("records",)
 
 
 def test_an_unknown_family_is_one_line_naming_the_known_ones():
-    with pytest.raises(UserError, match=r"model\.name 'hf2': no such model family; expected one of transformer, trm"):
+    known = "hf, transformer, trm"
+    with pytest.raises(UserError, match=rf"model\.name 'hf2': no such model family; expected one of {known}"):
         family("hf2")
 
 
 def test_each_embedded_default_is_a_valid_experiment_of_its_family():
     for name in names():
-        config = cfg.from_dict(cfg.ExperimentConfig, family(name).embedded_default, name)
+        default = family(name).embedded_default
+        if name == "hf":  # a model the user brings: valid once its path is given (--model-path)
+            default = {**default, "model": {**default["model"], "path": "a-model-directory"}}
+        config = cfg.from_dict(cfg.ExperimentConfig, default, name)
         assert config.model.name == name and config.data.name in family(name).data_kinds
         assert config.training.lr == family(name).anchor.lr
 

@@ -1,0 +1,417 @@
+"""The hf family: a user's transformers classifier or language model, whole or with LoRA, trained by the one Trainer.
+The cut of a global batch and the padding never change the gradient, resume is exact (with LoRA the checkpoint holds
+the adapters and the head only), the run leaves a model directory transformers serves, and each wrong input is one
+line. The records come from a stand-in of raytrm.data.hf_records (tests/unit/families/hf_stand_in.py)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raytrm import config as cfg
+from raytrm.data.loader import batch_indices
+from raytrm.errors import ConfigError, UserError
+from raytrm.families import family
+from raytrm.families.hf import HFTask
+from raytrm.families.hf_model import MAC_ENVIRONMENT, TOKENIZER_FILES, prepare_environment, save_model_dir
+from raytrm.families.task import macro_f1
+from raytrm.train import checkpoint as ckpt
+from raytrm.train.run.metrics import read_metrics
+from raytrm.train.run.size_rule import size_rule
+from raytrm.train.run.training import run_training
+from raytrm.train.trainer import Trainer
+from tests.unit.families import hf_stand_in
+
+TIMING_FIELDS = {"samples_per_sec", "tokens_per_sec", "rss_mb", "peak_rss_mb", "cpu_percent"}
+
+
+def grads(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def one_line(error: pytest.ExceptionInfo) -> str:
+    text = str(error.value)
+    assert "\n" not in text and "fix" in text, text
+    return text
+
+
+# -- the family and its defaults ------------------------------------------------------------------------------------
+
+
+def test_the_family_registers_its_data_defaults_and_learning_rate(hf_dirs, tmp_path):
+    hf = family("hf")
+    assert hf.data_kinds == ("records",) and hf.finish is not None
+    assert family("trm").finish is None and family("transformer").finish is None
+    with pytest.raises(ConfigError, match=r"model\.path.*--model-path"):
+        cfg.from_dict(cfg.ExperimentConfig, hf.embedded_default)
+    given = {**hf.embedded_default, "model": {**hf.embedded_default["model"], "path": str(hf_dirs["classify"])}}
+    config = cfg.from_dict(cfg.ExperimentConfig, given)
+    assert (config.training.lr, config.training.dataloader_workers, config.model.lora_rank) == (2e-5, 0, None)
+    # The size rule leaves a model the user brings at the anchor's lr, whatever its width.
+    for width in (32, 768, 4096):
+        assert size_rule(cfg.ModelConfig(name="hf", path="x", hidden_size=width))[0] == 2e-5
+
+
+def test_the_macos_settings_are_raytrms(hf_config, monkeypatch, caplog, tmp_path):
+    env: dict[str, str] = {}
+    assert prepare_environment("darwin", env) == MAC_ENVIRONMENT
+    assert env == {"PYTORCH_ENABLE_MPS_FALLBACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+    mine = {"TOKENIZERS_PARALLELISM": "true"}
+    assert prepare_environment("darwin", mine) == {"PYTORCH_ENABLE_MPS_FALLBACK": "1"}
+    assert mine["TOKENIZERS_PARALLELISM"] == "true"  # the user's own setting stays
+    linux: dict[str, str] = {}
+    assert prepare_environment("linux", linux) == {} and linux == {}
+
+    # Loader workers: 0 on a Mac, from the embedded default; asked for by hand, the run says why not.
+    from raytrm.hardware import probe
+    from raytrm.train.run.experiment import resolve_experiment
+    from tests.unit.hardware.test_mac_tiers import MACS, mac_runner, no_device
+
+    sysctl, profiler = MACS["m1-pro-mbp"][:2]
+    mac = probe.detect(platform="darwin", mac_run=mac_runner(sysctl, profiler), device_facts=no_device)
+    monkeypatch.setattr(probe, "detect", lambda: mac)
+    records = tmp_path / "r.jsonl"
+    records.write_text('{"text": "the cat", "label": "neg"}\n')
+    config = hf_config()
+    overrides = {"model": {"name": "hf", "path": config.model.path}, "data": {"path": str(records)}}
+    resolved, _ = resolve_experiment(config_file=None, profile_file=None, out=None, resume=False, overrides=overrides)
+    assert (resolved.training.dataloader_workers, resolved.training.threads) == (0, 8)
+    with caplog.at_level(logging.WARNING, logger="raytrm.families.hf"):
+        HFTask(hf_config(dataloader_workers=2), torch.device("cpu"), torch.float32, torch.float64, platform="darwin")
+    assert "dataloader_workers 2 on macOS" in caplog.text and "set it to 0" in caplog.text
+    caplog.clear()
+    HFTask(hf_config(dataloader_workers=2), torch.device("cpu"), torch.float32, torch.float64, platform="linux")
+    assert "macOS" not in caplog.text
+
+
+# -- exactness ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("task", "accumulation", "lora"), [("classify", 4, None), ("classify", 16, 4), ("lm", 4, 4)])
+def test_the_cut_and_the_padding_leave_the_gradient_unchanged(hf_config, task, accumulation, lora):
+    """1 micro-batch against 4, and against 16 of one record each (no padding at all): the same gradient."""
+    whole = Trainer(hf_config(task, {"lora_rank": lora}, still=True, grad_accum_steps=1))
+    parts = Trainer(hf_config(task, {"lora_rank": lora}, still=True, grad_accum_steps=accumulation))
+    widths: list[int] = []
+    real = parts.model.forward
+
+    def watched(*args, **kwargs):
+        widths.append(kwargs["input_ids"].shape[1])
+        return real(*args, **kwargs)
+
+    parts.model.forward = watched
+    for step in range(3):
+        indices = batch_indices(len(whole.train_data), 16, 3, step)
+        batch = {k: torch.from_numpy(v) for k, v in whole.train_data.batch(indices).items()}
+        widths.clear()
+        loss_a, metrics_a = whole.forward_backward(batch)
+        loss_b, metrics_b = parts.forward_backward(batch)
+        if task == "classify":
+            lengths = batch["lengths"].numpy()
+            assert lengths.max() >= 4 * lengths.min()  # records of very different lengths share the batch
+            # Each micro-batch runs at its own longest record, not the batch's.
+            per_part = lengths.reshape(accumulation, -1).max(axis=1)
+            assert widths == per_part.tolist()
+        assert loss_a == pytest.approx(loss_b, rel=1e-5)
+        assert metrics_a == pytest.approx(metrics_b, rel=1e-5)
+        ga, gb = grads(whole), grads(parts)
+        assert ga.keys() == gb.keys() and ga
+        # Against the largest gradient's scale: attention's key bias moves no softmax, and its gradient is rounding.
+        scale = max(float(g.abs().max()) for g in ga.values())
+        for key in ga:
+            torch.testing.assert_close(ga[key], gb[key], rtol=1e-4, atol=1e-6 * scale, msg=key)
+        whole.optimizer_step()
+        parts.optimizer_step()
+
+
+def _strip(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
+
+
+@pytest.mark.parametrize(("task", "lora"), [("classify", None), ("classify", 4), ("lm", 4)])
+def test_resume_is_exact_and_a_lora_checkpoint_holds_what_trains(hf_config, tmp_path, task, lora):
+    # The models keep their dropout (0.1): an exact resume also needs torch's generator back.
+    model = {"lora_rank": lora, "lora_dropout": 0.1 if lora else 0.0}
+    straight = run_training(hf_config(task, model, steps=4, eval_interval=2), tmp_path / "straight")
+    run_training(hf_config(task, model, steps=2, eval_interval=2), tmp_path / "split")
+    resumed = run_training(hf_config(task, model, steps=4, eval_interval=2), tmp_path / "split", resume=True)
+    assert resumed["resumed_from_step"] == 2
+    a = ckpt.latest_good_checkpoint(tmp_path / "straight" / "checkpoints")
+    b = ckpt.latest_good_checkpoint(tmp_path / "split" / "checkpoints")
+    assert a["step"] == b["step"] == 4
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for key in a["ema"]["shadow"]:
+        assert torch.equal(a["ema"]["shadow"][key], b["ema"]["shadow"][key]), key
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(), strict=True):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert _strip(read_metrics(tmp_path / "straight" / "metrics.jsonl")) == _strip(
+        read_metrics(tmp_path / "split" / "metrics.jsonl")
+    )
+    scores = [k for k in straight if k.startswith("eval_")]
+    assert scores and all(straight[k] == resumed[k] for k in scores)
+    assert (tmp_path / "split" / "model" / "config.json").exists() and not (
+        tmp_path / "split" / "model.partial"
+    ).exists()
+    trainer = Trainer(hf_config(task, model))
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    if lora:
+        # The adapters and a classifier's head: every tensor that trains, and nothing else.
+        assert set(a["model"]) == trainable
+        assert all("lora_" in k or "modules_to_save" in k for k in a["model"])
+        assert any("modules_to_save" in k for k in a["model"]) == (task == "classify")
+        assert sum(v.numel() for v in a["model"].values()) < 0.2 * sum(p.numel() for p in trainer.model.parameters())
+    else:
+        assert set(a["model"]) == set(trainer.model.state_dict())
+
+
+def test_the_forward_runs_in_the_trainers_dtype_over_fp32_weights_and_the_loss_in_fp32(hf_config):
+    trainer = Trainer(hf_config(model={"lora_rank": 4}, dtype="bfloat16", ema=False))
+    assert trainer.dtype == torch.bfloat16
+    batch = {k: torch.from_numpy(v) for k, v in trainer.train_data.batch(np.arange(4)).items()}
+    logits = trainer.task.forward(trainer.model, batch, slice(None), None)
+    assert logits.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    step = trainer.task.begin_step(batch, 4, slice(0, 4))
+    loss, sums = trainer.task.micro_step(batch, slice(0, 4), step)
+    assert loss.dtype == sums["loss_sum"].dtype == torch.float32 and math.isfinite(float(loss))
+    assert float(loss) == pytest.approx(float(sums["loss_sum"]) / 4)
+
+
+def test_a_lora_checkpoint_holding_the_base_weights_too_is_refused_in_one_line(hf_config, tmp_path):
+    run_training(hf_config(model={"lora_rank": 4}, steps=1), tmp_path / "run")
+    state = ckpt.latest_good_checkpoint(tmp_path / "run" / "checkpoints")
+    trainer = Trainer(hf_config(model={"lora_rank": 4}), tmp_path / "run")
+    trainer.load_state_dict(state)  # what it saved fits
+    base = "base_model.model.bert.embeddings.word_embeddings.weight"
+    state["model"][base] = trainer.model.state_dict()[base]
+    with pytest.raises(
+        UserError, match=rf"model\.{base} holds a tensor of shape .*, this config builds no such tensor"
+    ):
+        trainer.load_state_dict(state)
+
+
+# -- LoRA -------------------------------------------------------------------------------------------------------------
+
+
+def test_lora_starts_as_the_base_model_and_trains_only_its_adapters_and_head(hf_config, hf_dirs):
+    from transformers import AutoModelForSequenceClassification
+
+    trainer = Trainer(hf_config(model={"lora_rank": 4, "lora_alpha": 8}, still=True, ema=False))
+    base = AutoModelForSequenceClassification.from_pretrained(hf_dirs["classify-still"]).eval()
+    batch = {k: torch.from_numpy(v) for k, v in trainer.test_data.batch(np.arange(8)).items()}
+    trainer.model.eval()
+    with torch.no_grad():
+        lora = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        plain = base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.equal(lora, plain)  # B starts at zero: the adapters add exactly nothing
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n or "modules_to_save" in n for n in trainable)
+    assert any("lora_A" in n for n in trainable) and any("classifier.modules_to_save" in n for n in trainable)
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    trainer.model.train()
+    trainer.train_step()
+    after = dict(trainer.model.named_parameters())
+    assert all(torch.equal(after[n], value) for n, value in frozen.items())
+    assert any(float(after[n].abs().max()) > 0 for n in trainable if "lora_B" in n)
+
+
+def test_a_classifier_of_other_labels_gets_a_new_head_and_says_so(hf_config, caplog):
+    opener = hf_stand_in.opener(("neg", "pos", "meh"), relabel=lambda i, label: "meh" if i % 4 == 0 else label)
+    with caplog.at_level(logging.INFO, logger="raytrm.families.hf_model"):
+        trainer = Trainer(hf_config(opener=opener))
+    assert "head has 2 outputs, the data 3 labels (neg, pos, meh): a new head" in caplog.text
+    assert trainer.model.config.id2label == {0: "neg", 1: "pos", 2: "meh"}
+    assert trainer.model.classifier.weight.shape == (3, 32)
+    assert trainer.train_step().metrics["ce_loss"] > 0
+
+
+# -- the model directory --------------------------------------------------------------------------------------------
+
+
+def test_the_run_leaves_a_model_directory_that_transformers_loads_and_serves(hf_config, tmp_path):
+    from transformers import AutoModelForSequenceClassification, pipeline
+
+    trainer = Trainer(hf_config(model={"lora_rank": 4}, ema=False, lr=1e-2))
+    for _ in range(3):
+        trainer.train_step()
+    family("hf").finish(trainer.task, tmp_path)
+    out = tmp_path / "model"
+    assert not (out / "adapter_config.json").exists() and (out / "config.json").exists()  # merged by default
+    assert {p.name for p in out.iterdir()} & set(TOKENIZER_FILES)
+    loaded = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert loaded.config.id2label == {0: "neg", 1: "pos"}
+    batch = {k: torch.from_numpy(v) for k, v in trainer.test_data.batch(np.arange(16)).items()}
+    trainer.model.eval()
+    with torch.no_grad():
+        trained = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        merged = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(merged, trained, rtol=1e-5, atol=1e-6)
+    # The adapters moved the model away from its start, so the merged weights are the trained ones, not the base's.
+    assert any("lora_B" in n and float(p.abs().max()) > 0 for n, p in trainer.model.named_parameters())
+    serve = pipeline("text-classification", model=str(out), tokenizer=str(out), device="cpu")
+    answer = serve("the warm sun sat on a mat")[0]
+    assert answer["label"] in {"neg", "pos"}
+    encoded = trainer.task.tokenizer("the warm sun sat on a mat", return_tensors="pt")
+    with torch.no_grad():
+        probs = loaded(**encoded).logits.softmax(-1)[0]
+    assert answer["score"] == pytest.approx(float(probs.max()), rel=1e-5)
+    assert answer["label"] == loaded.config.id2label[int(probs.argmax())]
+    # Unmerged, the directory holds the adapters, which transformers loads onto model.path's weights.
+    adapters = save_model_dir(trainer.model, trainer.task.tokenizer, tmp_path / "adapters", merge=False)
+    assert (adapters / "adapter_config.json").exists() and not (adapters / "model.safetensors").exists()
+    with torch.no_grad():
+        again = AutoModelForSequenceClassification.from_pretrained(adapters).eval()
+        logits = again(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(logits, trained, rtol=1e-5, atol=1e-6)
+
+
+def test_the_run_writes_the_weights_its_final_evaluation_scored(hf_config, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    run_training(hf_config(steps=3, ema=True), tmp_path / "run")
+    state = ckpt.latest_good_checkpoint(tmp_path / "run" / "checkpoints")
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "run" / "model")
+    weights = dict(loaded.named_parameters())
+    for name, shadow in state["ema"]["shadow"].items():
+        assert torch.equal(weights[name].detach(), shadow), name
+    assert not torch.equal(state["model"]["classifier.weight"], state["ema"]["shadow"]["classifier.weight"])
+
+
+# -- evaluation -----------------------------------------------------------------------------------------------------
+
+
+def test_the_classifier_scores_the_held_out_records_and_its_confusion(hf_config):
+    trainer = Trainer(hf_config(ema=False, lr=3e-3))
+    for _ in range(5):
+        trainer.train_step()
+    scores = trainer.evaluate()
+    # Each held-out record alone, unpadded: the predictions the scores must come from.
+    data, model = trainer.test_data, trainer.model.eval()
+    pred, true = [], []
+    with torch.no_grad():
+        for i in range(len(data)):
+            ids = torch.tensor([data.ids[i]])
+            pred.append(int(model(input_ids=ids).logits.argmax(-1)))
+            true.append(int(data.labels[i]))
+    pred_a, true_a = np.array(pred), np.array(true)
+    confusion = [[int(((true_a == t) & (pred_a == p)).sum()) for p in range(2)] for t in range(2)]
+    majority = int(np.bincount(trainer.train_data.labels).argmax())
+    assert scores["eval_confusion"] == confusion
+    assert scores["eval_accuracy"] == pytest.approx(float((pred_a == true_a).mean()))
+    assert scores["eval_macro_f1"] == pytest.approx(macro_f1(pred_a, true_a, 2))
+    assert scores["eval_majority_acc"] == pytest.approx(float((true_a == majority).mean()))
+    assert scores["eval_documents"] == len(data) == 16
+
+
+def test_the_language_model_scores_loss_and_perplexity_per_token(hf_config):
+    trainer = Trainer(hf_config("lm", ema=False))
+    result = trainer.train_step()
+    assert result.metrics["perplexity"] == pytest.approx(math.exp(result.metrics["lm_loss"]))
+    assert trainer.tokens_per_sample == 16
+    scores = trainer.evaluate()
+    data, model = trainer.test_data, trainer.model.eval()
+    batch = data.batch(np.arange(len(data)))
+    with torch.no_grad():
+        logits = model(input_ids=torch.from_numpy(batch["input_ids"])).logits
+    labels = torch.from_numpy(batch["labels"])
+    nats = float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
+    assert scores["eval_tokens"] == labels.numel() == len(data) * 16
+    assert scores["eval_loss"] == pytest.approx(nats / labels.numel(), rel=1e-5)
+    assert scores["eval_perplexity"] == pytest.approx(math.exp(scores["eval_loss"]))
+
+
+def test_the_classifier_learns_its_records(hf_config, tmp_path):
+    # 'pos' records hold the word 'sun', 'neg' ones do not: a word the tiny tokenizer knows, so a classifier that
+    # reads its input gets nearly every held-out record right, where the majority class holds about 60% of them.
+    opener = hf_stand_in.opener(count=256, held_out=64)
+    summary = run_training(hf_config(opener=opener, steps=80, lr=3e-3, ema=False, log_interval=20), tmp_path / "run")
+    assert summary["eval_documents"] == 64
+    assert summary["eval_accuracy"] > summary["eval_majority_acc"] + 0.2
+
+
+# -- bad input: one line each -----------------------------------------------------------------------------------------
+
+
+def test_a_path_that_does_not_exist_is_one_line(hf_config, tmp_path):
+    with pytest.raises(ConfigError) as error:
+        Trainer(hf_config(model={"path": str(tmp_path / "nowhere")}))
+    assert f"{tmp_path / 'nowhere'}: model.path: got 'no such directory'" in one_line(error)
+
+
+def test_a_hub_name_is_left_to_transformers_which_stays_offline(hf_config):
+    with pytest.raises(UserError) as error:
+        Trainer(hf_config(model={"path": "nobody-here/no-model"}))
+    text = one_line(error)
+    assert text.startswith("nobody-here/no-model: model.path is not a directory here") and "HF_HUB_OFFLINE" in text
+
+
+def test_a_directory_without_a_tokenizer_is_one_line(hf_config, hf_dirs, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(hf_dirs["classify"] / name, bare / name)
+    with pytest.raises(ConfigError) as error:
+        Trainer(hf_config(model={"path": str(bare)}))
+    text = one_line(error)
+    assert "a directory of config.json, model.safetensors" in text and "tokenizer.save_pretrained(DIR)" in text
+
+
+def test_a_model_the_task_cannot_serve_is_one_line(hf_config, hf_dirs, tmp_path):
+    from transformers import ViTConfig
+
+    # An encoder asked for a language model: transformers has a causal class for BERT, but its outputs see ahead.
+    with pytest.raises(ConfigError) as error:
+        Trainer(hf_config("lm", model={"path": str(hf_dirs["classify"])}))
+    assert "model.task: got 'lm, for a bidirectional bert model', expected a causal language model" in one_line(error)
+    # A model type with no sequence classifier (nor language model) at all.
+    vision = tmp_path / "vision"
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(vision)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf_dirs["classify"] / name, vision / name)
+    for task in ("classify", "lm"):
+        with pytest.raises(ConfigError) as error:
+            Trainer(hf_config(task, model={"path": str(vision)}))
+        expected = f"model.task: got '{task}, for a vit model', expected a model type transformers builds"
+        assert expected in one_line(error)
+
+
+def test_more_tokens_than_the_model_has_positions_is_one_line(hf_config):
+    with pytest.raises(ConfigError) as error:
+        Trainer(hf_config(model={"seq_len": 256}))
+    assert "model.seq_len: got 256, expected at most the 128 positions the model embeds" in one_line(error)
+
+
+def test_lora_targets_the_model_lacks_are_one_line_naming_its_layers(hf_config):
+    with pytest.raises(ConfigError) as error:
+        Trainer(hf_config(model={"lora_rank": 4, "lora_targets": ["nope"]}))
+    text = one_line(error)
+    assert "model.lora_targets: got ['nope']" in text and "query" in text and "value" in text
+
+
+def test_the_missing_extra_is_one_line_naming_it(hf_config, monkeypatch):
+    config = hf_config()
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
+    with pytest.raises(UserError) as error:
+        Trainer(config)
+    assert 'peft is not installed; fix: pip install "raytrm[hf]"' in str(error.value)
+
+
+def test_a_missing_records_file_is_one_line(tmp_path):
+    require = family("hf").require_data
+    with pytest.raises(ConfigError, match=r"data\.path: got None.*fix: give --data FILE"):
+        require(cfg.DataConfig(name="records"))
+    missing = str(tmp_path / "none.csv")
+    with pytest.raises(ConfigError, match=r"none\.csv: data\.path: got 'no such file'"):
+        require(cfg.DataConfig(name="records", path=missing))
+    (tmp_path / "train.csv").write_text("text,label\nthe cat,neg\n")
+    with pytest.raises(ConfigError, match=r"data\.validation_path: got 'no such file'"):
+        require(cfg.DataConfig(name="records", path=str(tmp_path / "train.csv"), validation_path=missing))
