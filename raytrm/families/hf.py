@@ -28,7 +28,7 @@ from raytrm import config as cfg
 from raytrm.errors import ConfigError
 from raytrm.families import Anchor, Family, register
 from raytrm.families.hf_model import MODEL_DIR, build_model, is_lora, load_tokenizer, locate, save_model_dir
-from raytrm.families.task import Batch, Scalar, eval_batches, macro_f1
+from raytrm.families.task import Batch, Scalar, classification_scores, eval_batches
 from raytrm.models.trm import rows
 
 logger = logging.getLogger(__name__)
@@ -199,16 +199,13 @@ class HFTask:
             preds.append(self.forward(self.model, batch, slice(None), None).argmax(-1).cpu())
             labels.append(batch["labels"].cpu())
         pred, true = torch.cat(preds).numpy(), torch.cat(labels).numpy()
-        classes = len(self.label_names)
-        confusion = np.zeros((classes, classes), dtype=np.int64)
-        np.add.at(confusion, (true, pred), 1)
+        scores = classification_scores(pred, true, len(self.label_names))
         return {
-            "eval_accuracy": float((pred == true).mean()),
-            "eval_macro_f1": macro_f1(pred, true, classes),
+            "eval_accuracy": scores["accuracy"],
+            "eval_macro_f1": scores["macro_f1"],
             "eval_majority_acc": float((true == self.majority_label()).mean()),
             "eval_documents": float(len(true)),
-            # Rows are the true labels, columns the predicted ones, both in the order of the labels' names.
-            "eval_confusion": confusion.tolist(),
+            "eval_confusion": scores["confusion"],  # rows the true labels, columns the predicted, in label order
         }
 
     def majority_label(self, chunk: int = 4096) -> int:

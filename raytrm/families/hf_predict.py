@@ -23,7 +23,7 @@ from raytrm.data.hf_cache import encode_records
 from raytrm.data.records import read_fields
 from raytrm.errors import ConfigError, UserError
 from raytrm.families.hf_model import MODEL_DIR, require_libraries
-from raytrm.families.task import macro_f1
+from raytrm.families.task import classification_scores
 from raytrm.hardware import device as devices
 
 logger = logging.getLogger(__name__)
@@ -141,13 +141,5 @@ def evaluate(run_dir: str | Path, records_path: str | Path, device: str = "auto"
             )
     true = np.array([index[label] for label in labels if label is not None])
     pred = model.scores(texts).argmax(-1)
-    classes = len(model.label_names)
-    confusion = np.zeros((classes, classes), dtype=np.int64)
-    np.add.at(confusion, (true, pred), 1)
-    return {
-        "accuracy": float((pred == true).mean()),
-        "macro_f1": macro_f1(pred, true, classes),
-        "confusion": confusion.tolist(),
-        "labels": list(model.label_names),
-        "documents": len(true),
-    }
+    scores = classification_scores(pred, true, len(model.label_names))
+    return {**scores, "labels": list(model.label_names), "documents": len(true)}

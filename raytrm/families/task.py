@@ -82,3 +82,15 @@ def macro_f1(pred: np.ndarray, true: np.ndarray, classes: int) -> float:
         if tp + fp + fn:
             scores.append(2 * tp / (2 * tp + fp + fn))
     return float(np.mean(scores)) if scores else 0.0
+
+
+def classification_scores(pred: np.ndarray, true: np.ndarray, classes: int) -> dict[str, Any]:
+    """Accuracy, macro-F1 and the confusion matrix (rows the true labels, columns the predicted ones, both in the
+    labels' order) of predicted against true class indices."""
+    confusion = np.zeros((classes, classes), dtype=np.int64)
+    np.add.at(confusion, (true, pred), 1)
+    return {
+        "accuracy": float((pred == true).mean()) if len(true) else 0.0,
+        "macro_f1": macro_f1(pred, true, classes),
+        "confusion": confusion.tolist(),
+    }
