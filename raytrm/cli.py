@@ -9,7 +9,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -46,7 +46,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if isinstance(data, dict) and "raytrm_space" in data:
         from raytrm.tune.space import load_space
 
-        space = load_space(args.file)
+        space = load_space(args.file, _space_base(args))
         print(f"# {args.file}: valid search space, {len(space.parsed)} parameters; as tuned:")
         print(config.dump_yaml(space.to_dict()), end="")
         return 0
@@ -128,17 +128,43 @@ TRAIN_FLAGS = {
 }
 
 
+#: The flags of `raytrm tune` and `raytrm validate` that set a space's base experiment: the user's own model and
+#: records in a shipped space (hf-classify, hf-lm).
+SPACE_BASE_FLAGS = ("--model-path", "--data", "--validation", "--text-fields", "--label-field", "--lora-rank")
+#: Fields that name files: a space's trials may run in another working directory, so these are made absolute.
+PATH_FIELDS = (("model", "path"), ("data", "path"), ("data", "validation_path"))
+
+
 def _flag_dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, dict[str, object]]:
+def _add_flags(p: Any, flags: Iterable[str]) -> None:
+    """Add TRAIN_FLAGS' `flags` to a parser or an argument group of one."""
+    for flag in flags:
+        kind, text = TRAIN_FLAGS[flag][2:]
+        many = {"nargs": "+", "type": str} if kind is list else {"type": kind}
+        p.add_argument(flag, dest=_flag_dest(flag), default=None, help=text, **many)
+
+
+def _overrides(args: argparse.Namespace, flags: Iterable[str] = TRAIN_FLAGS) -> dict[str, dict[str, object]]:
     out: dict[str, dict[str, object]] = {}
-    for flag, (section, name, _, _) in TRAIN_FLAGS.items():
+    for flag in flags:
+        section, name = TRAIN_FLAGS[flag][:2]
         value = getattr(args, _flag_dest(flag))
         if value is not None:
             out.setdefault(section, {})[name] = value
     return out
+
+
+def _space_base(args: argparse.Namespace) -> dict[str, dict[str, object]]:
+    """The space's base fields given as flags, their paths absolute (a local model directory; a hub name stays)."""
+    base = _overrides(args, SPACE_BASE_FLAGS)
+    for section, name in PATH_FIELDS:
+        value = base.get(section, {}).get(name)
+        if isinstance(value, str) and (section == "data" or Path(value).expanduser().exists()):
+            base[section][name] = str(Path(value).expanduser().resolve())
+    return base
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -292,7 +318,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.out and args.resume:
         raise UserError("give --out for a new run or --resume RUN_DIR to continue one, not both")
-    run_tune(args.space, trials=args.trials, out=args.out, resume=args.resume, address=args.address)
+    run_tune(
+        args.space, trials=args.trials, out=args.out, resume=args.resume, address=args.address, base=_space_base(args)
+    )
     return 0
 
 
@@ -481,6 +509,8 @@ def _add_validate(sub: Any) -> None:
         help="a YAML file: training config, profile (raytrm_profile: 1), search space or tier table; or the name of "
         "one raytrm ships (quick, sudoku, tiers, ...)",
     )
+    group = p.add_argument_group("a search space's base experiment (for hf-classify and hf-lm: your model and records)")
+    _add_flags(group, SPACE_BASE_FLAGS)
     p.set_defaults(func=cmd_validate)
 
 
@@ -533,9 +563,7 @@ def _add_train(sub: Any) -> None:
         help="no progress line and no INFO lines, only warnings and the summary (with --workers/--address, Ray's and "
         "the workers' lines are in RUN_DIR/logs/ with or without it)",
     )
-    for flag, (_, _, kind, text) in TRAIN_FLAGS.items():
-        many = {"nargs": "+", "type": str} if kind is list else {"type": kind}
-        p.add_argument(flag, dest=_flag_dest(flag), default=None, help=text, **many)
+    _add_flags(p, TRAIN_FLAGS)
     p.set_defaults(func=cmd_train)
 
 
@@ -547,6 +575,10 @@ def _add_tune(sub: Any) -> None:
     p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/tune-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a tuning run whose driver stopped")
     p.add_argument("--address", help="Ray cluster: auto or HOST:PORT (default: start a local Ray)")
+    group = p.add_argument_group(
+        "the space's base experiment (hf-classify, hf-lm: your model and records, at the same path on every machine)"
+    )
+    _add_flags(group, SPACE_BASE_FLAGS)
     p.set_defaults(func=cmd_tune)
 
 

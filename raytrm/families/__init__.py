@@ -3,8 +3,9 @@
 A family is one module of this package that registers a `Family` at import: how its task is built (its data, its
 model, one micro-batch's loss and its evaluation: raytrm.families.task.Task), which data kinds it trains on, the
 one-line check of a data path before a run starts, the experiment `raytrm train --model NAME` runs without a config,
-where that default was tuned (the size rule's anchor) with how its learning rate falls with width, and what a run
-leaves behind besides its checkpoints (the Hugging Face family's model directory). Every module
+where that default was tuned (the size rule's anchor) with how its learning rate falls with width, the scores a
+tuner's quality objective may maximize, and what a run leaves behind besides its checkpoints (the Hugging Face
+family's model directory). Every module
 here is found and imported on the first lookup, so adding a family is adding its module. (Its config fields are
 declared with the others in raytrm.config, which is read before any family is imported.)
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import pkgutil
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +30,18 @@ class Anchor(NamedTuple):
     width: int
     lr: float
     warmup_steps: int
+
+
+class Score(NamedTuple):
+    """An evaluation score that a tuning space's quality objective may maximize (its quality_metric)."""
+
+    name: str
+    #: Lower is better: a mean cross-entropy in nats. The tuner maximizes exp(-loss), the geometric mean of the
+    #: probability the model gives the right token, which lies in (0, 1] as an accuracy does.
+    loss: bool = False
+
+    def quality(self, value: float) -> float:
+        return math.exp(-value) if self.loss else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +63,8 @@ class Family:
     #: How the learning rate falls with width for a model of this family: (the kind in words, the exponent of
     #: anchor width / width).
     lr_exponent: Callable[[cfg.ModelConfig], tuple[str, float]]
+    #: The scores a tuner may take as quality for a model of this family, the default first.
+    scores: Callable[[cfg.ModelConfig], tuple[Score, ...]]
     #: What a run leaves behind besides its checkpoints, written by rank 0 after the final one: finish(task, run_dir)
     #: (the Hugging Face family's RUN_DIR/model); None for none.
     finish: Callable[[Any, Path], None] | None = None
@@ -87,6 +103,22 @@ def names() -> list[str]:
     """Every family's name, sorted."""
     _discover()
     return sorted(_FAMILIES)
+
+
+def score(model: cfg.ModelConfig, name: str = "") -> Score:
+    """The score named `name` of the model's family ("" for the family's default); one line naming the scores the
+    family has when it has no such one."""
+    scores = family(model.name).scores(model)
+    if not name:
+        return scores[0]
+    for candidate in scores:
+        if candidate.name == name:
+            return candidate
+    task = f" ({model.task})" if model.name in cfg.TEXT_MODELS else ""
+    raise UserError(
+        f"quality_metric {name!r}: model.name {model.name}{task} has no such score; expected one of "
+        f"{', '.join(s.name for s in scores)}"
+    )
 
 
 def build_task(config: cfg.ExperimentConfig, device: Any, dtype: Any, loss_dtype: Any) -> Any:

@@ -18,7 +18,7 @@ from torch import nn
 from raytrm import config as cfg
 from raytrm.data.text import open_text_dataset
 from raytrm.families import Anchor, Family, register
-from raytrm.families.task import Batch, Scalar, eval_batches, macro_f1
+from raytrm.families.task import Batch, Scalar, eval_batches, macro_f1, text_scores
 from raytrm.models.transformer import Transformer
 from raytrm.models.trm import rows
 
@@ -182,5 +182,6 @@ register(
         embedded_default=EMBEDDED_DEFAULT,
         anchor=ANCHOR,
         lr_exponent=_lr_exponent,
+        scores=text_scores,
     )
 )

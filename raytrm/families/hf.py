@@ -28,7 +28,7 @@ from raytrm import config as cfg
 from raytrm.errors import ConfigError
 from raytrm.families import Anchor, Family, register
 from raytrm.families.hf_model import MODEL_DIR, build_model, is_lora, load_tokenizer, locate, save_model_dir
-from raytrm.families.task import Batch, Scalar, classification_scores, eval_batches
+from raytrm.families.task import Batch, Scalar, classification_scores, eval_batches, text_scores
 from raytrm.models.trm import rows
 
 logger = logging.getLogger(__name__)
@@ -298,6 +298,7 @@ register(
         embedded_default=EMBEDDED_DEFAULT,
         anchor=ANCHOR,
         lr_exponent=_lr_exponent,
+        scores=text_scores,
         finish=_finish,
         infer=_infer,
     )

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from raytrm.config import ModelConfig
+from raytrm.families import Score
 from raytrm.models.sign_sgd import SignSGD
 
 Batch = dict[str, torch.Tensor]
@@ -94,3 +96,11 @@ def classification_scores(pred: np.ndarray, true: np.ndarray, classes: int) -> d
         "macro_f1": macro_f1(pred, true, classes),
         "confusion": confusion.tolist(),
     }
+
+
+def text_scores(model: ModelConfig) -> tuple[Score, ...]:
+    """The scores of a text model (the byte transformer, a Hugging Face model): a classifier's macro-F1 (every class
+    counts alike, whatever its share of the records) or accuracy; a language model's held-out loss."""
+    if model.task == "classify":
+        return Score("eval_macro_f1"), Score("eval_accuracy")
+    return (Score("eval_loss", loss=True),)

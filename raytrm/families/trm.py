@@ -16,7 +16,7 @@ from torch import nn
 
 from raytrm import config as cfg
 from raytrm.data.cache import open_dataset_for
-from raytrm.families import Anchor, Family, register
+from raytrm.families import Anchor, Family, Score, register
 from raytrm.families.task import Batch, Scalar, eval_batches, standard_error
 from raytrm.models.losses import act_loss
 from raytrm.models.sign_sgd import SignSGD
@@ -236,5 +236,6 @@ register(
         embedded_default=EMBEDDED_DEFAULT,
         anchor=ANCHOR,
         lr_exponent=_lr_exponent,
+        scores=lambda model: (Score("eval_cell_acc"), Score("eval_exact_acc")),
     )
 )

@@ -84,7 +84,7 @@ def learning_curve(
         point = {
             "samples": trainer.samples_seen,
             "quality": scores["quality"],
-            "stderr": scores["eval"].get(f"{quality_metric}_se"),
+            "stderr": scores["quality_stderr"],
             "train_seconds": loop.now(),
         }
         points.append(point)

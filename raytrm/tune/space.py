@@ -46,7 +46,11 @@ class SearchSpace:
     base: dict = spec({}, "the base experiment: model, data and training sections, as in a training config")
     params: dict = spec({}, "dotted config path -> {type, low, high, step, log, choices}")
     objective: str = spec("quality", "quality, throughput or pareto (both)", choices=OBJECTIVES)
-    quality_metric: str = spec("eval_cell_acc", "evaluation metric that measures quality (higher is better)")
+    quality_metric: str = spec(
+        "",
+        "the evaluation score the quality objective maximizes: '' = the model family's own (TRM eval_cell_acc, a "
+        "classifier's eval_macro_f1, a language model's eval_loss, maximized as exp(-loss))",
+    )
     pareto: Pareto = spec(Pareto(), "how one point is picked from the Pareto front")
     budget: Budget = spec(Budget(), "wall-clock budget of each trial")
     horizon: Horizon = spec(
@@ -126,13 +130,20 @@ def resolve_space_path(path: str | os.PathLike | None) -> Path:
     return named_file(path) or Path(path)
 
 
-def load_space(path: str | os.PathLike | None = None) -> SearchSpace:
-    """Read and validate a space file (see the module docstring)."""
+def load_space(path: str | os.PathLike | None = None, base: dict[str, dict[str, Any]] | None = None) -> SearchSpace:
+    """Read and validate a space file (see the module docstring). base: fields set over the file's base experiment,
+    section by section (`raytrm tune --model-path DIR --data FILE`: the user's model and records in a shipped hf
+    space)."""
     p = resolve_space_path(path)
     missing = (
-        "this is not a search space; add `raytrm_space: 1`, or name a shipped space (quick, sudoku, maze, transformer)"
+        "this is not a search space; add `raytrm_space: 1`, or name a shipped space (quick, sudoku, maze, "
+        "transformer, hf-classify, hf-lm)"
     )
     data = read_versioned_yaml(p, "raytrm_space", SPACE_SCHEMA_VERSION, missing, SPACE_AGAIN)
+    if base and isinstance(data.get("base") or {}, dict):  # a malformed base is refused below, as it is
+        data["base"] = dict(data.get("base") or {})
+        for section, fields in base.items():
+            data["base"][section] = {**(data["base"].get(section) or {}), **fields}
     return space_from_dict(data, str(p), default_name=p.stem)
 
 
@@ -154,6 +165,7 @@ def space_from_dict(data: Any, source: str, default_name: str = "study") -> Sear
             "add e.g. training.micro_batch_size: {type: categorical, choices: [16, 32, 64]}",
         )
     parsed = {name: parse_param(name, raw, base, source) for name, raw in space.params.items()}
+    space.quality_metric = _quality_metric(space, base, source)
     _check_tiers(space, source)
     if space.sampler == "gp":
         import importlib.util
@@ -209,6 +221,25 @@ def space_from_dict(data: Any, source: str, default_name: str = "study") -> Sear
             _refuse(space, point, f"start_with[{i}]")
     _check_combinations(space, base)
     return space
+
+
+def _quality_metric(space: SearchSpace, base: cfg.ExperimentConfig, source: str) -> str:
+    """The score the space's quality objective maximizes: the named one if the base's model family has it, else its
+    default."""
+    from raytrm.families import family
+
+    scores = family(base.model.name).scores(base.model)
+    if not space.quality_metric:
+        return scores[0].name
+    if space.quality_metric not in [s.name for s in scores]:
+        raise ConfigError(
+            source,
+            "quality_metric",
+            space.quality_metric,
+            f"a score of base's model ({', '.join(s.name for s in scores)})",
+            f"use {scores[0].name}, or leave quality_metric out for it",
+        )
+    return space.quality_metric
 
 
 def _check_tiers(space: SearchSpace, source: str) -> None:

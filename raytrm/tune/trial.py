@@ -69,7 +69,7 @@ def measure(
     memory_budget_mb: float | None,
     thermal_cap: str | None,
     max_throughput_decay: float,
-    quality_metric: str = "eval_cell_acc",
+    quality_metric: str = "",
     eval_puzzles: int | None = 64,
     decay_window: float = 0.25,
     evaluations: int = 1,
@@ -178,9 +178,8 @@ class Measurement:
 
     def take(self, loop: Any, k: int, scores: dict[str, Any]) -> None:
         """The k-th evaluation: a point of the curve; the last is the final score, the others go to the pruner."""
-        stderr = scores["eval"].get(f"{self.quality_metric}_se")
         point = {"samples": loop.trainer.samples_seen, "seconds": loop.now(), "quality": scores["quality"]}
-        self.curve.append({**point, "stderr": stderr})
+        self.curve.append({**point, "stderr": scores["quality_stderr"]})
         scores = {**scores, "curve": list(self.curve)} if self.horizon else scores
         if k == len(self.rungs) - 1:
             self.final.update(scores)

@@ -59,12 +59,17 @@ logger = logging.getLogger(__name__)
 
 
 def _prepare_data(space: SearchSpace) -> None:
-    """Generate the dataset once here, before trials on this machine's nodes race to build it."""
+    """Refuse missing data at the door; generate a dataset once here, before trials on this machine's nodes race to
+    build it."""
     from raytrm.data.cache import dataset_dir_for
+    from raytrm.families import family
 
-    data = cfg.from_dict(cfg.ExperimentConfig, space.base, space.source, "base").data
+    experiment = cfg.from_dict(cfg.ExperimentConfig, space.base, space.source, "base")
+    family(experiment.model.name).require_data(experiment.data)
+    if experiment.data.path:
+        return
     try:
-        dataset_dir_for(data)
+        dataset_dir_for(experiment.data)
     except Exception as e:  # trials will report the same problem with the trial's own config
         logger.warning("could not prepare the dataset here: %s", e)
 
@@ -86,11 +91,13 @@ def recover(study: optuna.Study, tier: str, run_dir: Path, objective: str, stage
             )
 
 
-def _state(run_dir: Path, space_file: str | None, resume: bool) -> tuple[SearchSpace, dict[str, Any]]:
+def _state(
+    run_dir: Path, space_file: str | None, resume: bool, base: dict[str, dict[str, Any]] | None = None
+) -> tuple[SearchSpace, dict[str, Any]]:
     path = run_dir / TUNE_FILE
     if resume:
-        if space_file:
-            raise UserError("--resume continues the run's own space; drop --space")
+        if space_file or base:
+            raise UserError("--resume continues the run's own space, model and data; drop --space and its settings")
         if not path.is_file():
             raise UserError(
                 f"{run_dir}: not a tuning run (no {TUNE_FILE}); start one with `raytrm tune --out {run_dir}`"
@@ -101,7 +108,7 @@ def _state(run_dir: Path, space_file: str | None, resume: bool) -> tuple[SearchS
         return space, state
     if path.exists():
         raise UserError(f"{run_dir}: already holds a tuning run; continue it with `raytrm tune --resume {run_dir}`")
-    space = load_space(space_file)
+    space = load_space(space_file, base)
     return space, {"raytrm_tune": 1, "space_file": str(space.source), "space": space.to_dict()}
 
 
@@ -113,14 +120,16 @@ def run_tune(
     resume: str | None = None,
     address: str | None = None,
     tiers: list[str] | None = None,
+    base: dict[str, dict[str, Any]] | None = None,
     stream: TextIO | None = None,
 ) -> dict[str, Path]:
-    """Tune every tier of the cluster (or `tiers`), verify each best setting and export a profile per tier."""
+    """Tune every tier of the cluster (or `tiers`), verify each best setting and export a profile per tier. base:
+    fields set over the space's base experiment (raytrm.tune.space.load_space)."""
     if trials is not None and trials < 1:
         raise UserError(f"--trials {trials}: expected a number of trials >= 1")
     stream = stream or sys.stdout
     run_dir = Path(resume or out or Path("runs") / time.strftime("tune-%Y%m%d-%H%M%S"))
-    space, state = _state(run_dir, space_file, bool(resume))
+    space, state = _state(run_dir, space_file, bool(resume), base)
     if trials:
         space.trials = trials
     owned = connect(address)

@@ -46,7 +46,10 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     _run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "-w", str(work / "dist"), "-q"], work, env)
     (wheel,) = (work / "dist").glob("raytrm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {f"raytrm/tune_spaces/{n}.yaml" for n in ("tiers", "quick", "sudoku", "maze", "transformer")} <= set(names)
+    assert {
+        f"raytrm/tune_spaces/{n}.yaml"
+        for n in ("tiers", "quick", "sudoku", "maze", "transformer", "hf-classify", "hf-lm")
+    } <= set(names)
     assert not [n for n in names if n.split("/")[0] in ("benchmarks", "tests", "tune_spaces")], names
     venv = work / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], work, env)

@@ -3,8 +3,11 @@ language model, each with a tokenizer trained here on the words it will see (no 
 
 from __future__ import annotations
 
+import csv
 from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 #: Words the tiny tokenizers learn, and the texts of the tests' records are made of.
 WORDS = [
@@ -131,3 +134,22 @@ def causal_lm_dir(root: Path, seed: int = 0) -> Path:
     model.save_pretrained(root)
     tokenizer.save_pretrained(root)
     return root
+
+
+def write_records(path, count=96, seed=0, labelled=True):
+    """Records of two text fields whose label shows in the body: "pos" bodies are made of the first half of the
+    tiny tokenizer's words, "neg" bodies of the second, of varied lengths."""
+    rng = np.random.default_rng(seed)
+    half = len(WORDS) // 2
+    rows = []
+    for i in range(count):
+        label = "pos" if i % 2 == 0 else "neg"
+        pool = WORDS[:half] if label == "pos" else WORDS[half:]
+        body = " ".join(rng.choice(pool, int(rng.integers(3, 30))))
+        subject = " ".join(rng.choice(WORDS, int(rng.integers(1, 4))))
+        rows.append({"subject": subject, "body": body, **({"label": label} if labelled else {})})
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path

@@ -7,19 +7,29 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from raytrm.families import score
 from raytrm.train.loop import Hook, Loop
 from raytrm.train.trainer import Trainer
 
 
-def evaluate_quality(trainer: Trainer, eval_puzzles: int | None, quality_metric: str) -> dict[str, Any]:
+def evaluate_quality(trainer: Trainer, eval_puzzles: int | None, quality_metric: str = "") -> dict[str, Any]:
     """Quality on a fixed number of held-out examples, whatever the micro-batch, so trials and curves compare:
-    {"quality": the metric's score, "eval": every score}. The trainer's cut is restored afterwards."""
+    {"quality": the score named quality_metric ("" the family's default) as the tuner maximizes it
+    (raytrm.families.Score), "quality_stderr": its standard error where the task reports one, "eval": every score}.
+    The trainer's cut is restored afterwards."""
+    measure = score(trainer.config.model, quality_metric)
     micro = trainer.micro_batch
     trainer.set_micro_batch(trainer.global_batch)
     batches = math.ceil(eval_puzzles / trainer.micro_batch) if eval_puzzles else None
     scores = trainer.evaluate(max_batches=batches)
     trainer.set_micro_batch(micro)
-    return {"quality": float(scores.get(quality_metric, 0.0)), "eval": scores}
+    value = scores.get(measure.name)
+    stderr = None if measure.loss else scores.get(f"{measure.name}_se")
+    return {
+        "quality": measure.quality(float(value)) if value is not None else 0.0,
+        "quality_stderr": stderr,
+        "eval": scores,
+    }
 
 
 class Evaluations(Hook):

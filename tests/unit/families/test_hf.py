@@ -329,6 +329,19 @@ def test_the_language_model_scores_loss_and_perplexity_per_token(hf_config):
     assert scores["eval_perplexity"] == pytest.approx(math.exp(scores["eval_loss"]))
 
 
+def test_a_tuners_quality_is_macro_f1_for_a_classifier_and_the_probability_of_the_right_token_for_a_model(hf_config):
+    from raytrm.train.run.evaluations import evaluate_quality
+
+    lm = Trainer(hf_config("lm", ema=False))
+    measured = evaluate_quality(lm, None, "")
+    assert measured["quality"] == pytest.approx(math.exp(-measured["eval"]["eval_loss"]))
+    assert measured["quality_stderr"] is None
+    classifier = Trainer(hf_config("classify", ema=False))
+    measured = evaluate_quality(classifier, None, "")
+    assert measured["quality"] == measured["eval"]["eval_macro_f1"]
+    assert evaluate_quality(classifier, None, "eval_accuracy")["quality"] == measured["eval"]["eval_accuracy"]
+
+
 def test_the_classifier_learns_its_records(hf_config, tmp_path):
     # 'pos' records hold the word 'sun', 'neg' ones do not: a word the tiny tokenizer knows, so a classifier that
     # reads its input gets nearly every held-out record right, where the majority class holds about 60% of them.

@@ -7,32 +7,12 @@ from __future__ import annotations
 import csv
 import json
 
-import numpy as np
 import pytest
 
 from raytrm.cli import main
-from tests.support.hf_models import WORDS
+from tests.support.hf_models import write_records
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def write_records(path, count=96, seed=0, labelled=True):
-    """Records of two text fields whose label shows in the body: "pos" bodies are made of the first half of the
-    tiny tokenizer's words, "neg" bodies of the second, of varied lengths."""
-    rng = np.random.default_rng(seed)
-    half = len(WORDS) // 2
-    rows = []
-    for i in range(count):
-        label = "pos" if i % 2 == 0 else "neg"
-        pool = WORDS[:half] if label == "pos" else WORDS[half:]
-        body = " ".join(rng.choice(pool, int(rng.integers(3, 30))))
-        subject = " ".join(rng.choice(WORDS, int(rng.integers(1, 4))))
-        rows.append({"subject": subject, "body": body, **({"label": label} if labelled else {})})
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
 
 
 def train(hf_dirs, tmp_path, records, *extra):
