@@ -206,6 +206,7 @@ class HFTask:
             "eval_majority_acc": float((true == self.majority_label()).mean()),
             "eval_documents": float(len(true)),
             "eval_confusion": scores["confusion"],  # rows the true labels, columns the predicted, in label order
+            "eval_labels": list(self.label_names),  # the confusion's axes, so that the matrix reads on its own
         }
 
     def majority_label(self, chunk: int = 4096) -> int:

@@ -14,6 +14,7 @@ import numpy as np
 
 from raytrm import config as cfg
 from raytrm.errors import UserError
+from raytrm.report.classifier import score_lines
 from raytrm.report.diagnosis import NOT_RECORDED, Finding, diagnose, log_lines
 from raytrm.report.plots import write_run_plots
 from raytrm.report.runs import RunRecord, load_run
@@ -106,7 +107,8 @@ def _plot_line(out_dir: Path, plots: list[Path]) -> str:
 def format_diagnosis(
     record: RunRecord, findings: list[Finding], out_dir: Path, plots: list[Path], skipped: list[str]
 ) -> str:
-    """The text a person reads: what ran, what limited it and how to fix it, what was not recorded, the plots."""
+    """The text a person reads: what ran (and a classifier's scores), what limited it and how to fix it, what was not
+    recorded, the plots."""
     summary = record.summary or {}
     rows = record.worker_rows
     _, rates = record.series("samples_per_sec")
@@ -126,6 +128,7 @@ def format_diagnosis(
     if rows:
         parts.append(f"{len(rows[-1][1])} workers")
     lines = [f"run {record.run_dir}: {', '.join(parts)}"]
+    lines += score_lines(record)
     lines += [f"note: {note}" for note in record.notes]
     lines += sync_lines(record)
     if findings:

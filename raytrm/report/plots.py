@@ -1,4 +1,5 @@
-"""The PNG plots of a training run: learning curves, throughput, memory against the budget, thermal state.
+"""The PNG plots of a training run: learning curves, throughput, memory against the budget, thermal state, and a
+classifier's confusion matrix.
 
 Each plot puts every adaptation event (memory governor, thermal guard, rebalance) on its time axis as a dotted
 line, so a change in a curve can be read against the decision that caused it. matplotlib's object API (Figure, no
@@ -17,6 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from raytrm.config import THERMAL_STATES
+from raytrm.report.classifier import CONFUSION_PLOT, confusion_figure, missing_confusion
 from raytrm.report.runs import RunRecord
 
 #: Lower is better; a baseline is drawn dashed (what a model that learned nothing would score).
@@ -250,7 +252,8 @@ PLOTS: dict[str, tuple[Callable[[RunRecord, Path], Path | None], str]] = {
 
 
 def write_run_plots(record: RunRecord, out: Path) -> tuple[list[Path], list[str]]:
-    """Write every plot the record has data for; returns (paths written, a line saying why for each other one)."""
+    """Write every plot the record has data for; returns (paths written, a line saying why for each other one).
+    A classifier's run also gets its confusion matrix (raytrm.report.classifier); other runs never miss one."""
     out.mkdir(parents=True, exist_ok=True)
     written, skipped = [], []
     for name, (draw, why) in PLOTS.items():
@@ -259,4 +262,10 @@ def write_run_plots(record: RunRecord, out: Path) -> tuple[list[Path], list[str]
             skipped.append(f"no {name} plot: {why}")
         else:
             written.append(path)
+    if record.classifier:
+        fig = confusion_figure(record)
+        if fig is None:
+            skipped.append(f"no confusion plot: {missing_confusion(record)}")
+        else:
+            written.append(_save(fig, out / CONFUSION_PLOT))
     return written, skipped

@@ -77,6 +77,12 @@ class RunRecord:
         used = (self.summary or {}).get("threads") or {}
         return used.get("threads") or self.config.training.threads
 
+    @property
+    def classifier(self) -> bool:
+        """Whether the run trained a Hugging Face classifier, whose final evaluation records its confusion matrix."""
+        model = self.config.model
+        return model.name == "hf" and model.task == "classify"
+
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -115,12 +121,16 @@ SUMMARY_FIELDS = {
             "memory_budget_mb",
             "wall_seconds",
             "train_seconds",
+            "eval_accuracy",
+            "eval_macro_f1",
+            "eval_majority_acc",
+            "eval_documents",
         ),
         "number",
     ),
     **dict.fromkeys(("stop_reason", "device", "dtype", "peak_method", "sync_mode"), "str"),
     **dict.fromkeys(("threads", "sync_share"), "dict"),
-    "micro_batches": "list",
+    **dict.fromkeys(("micro_batches", "eval_confusion", "eval_labels"), "list"),
 }
 DAMAGED = "the file is damaged: delete or repair that line"
 
@@ -196,7 +206,27 @@ def read_summary(path: Path) -> dict[str, Any]:
         raise ConfigError(str(path), "micro_batches", summary["micro_batches"], "a list of integers", fix)
     if not all(_number(v) for v in shares.get("workers") or []):
         raise ConfigError(str(path), "sync_share.workers", shares["workers"], "a list of numbers", fix)
+    _check_confusion(summary, str(path), fix)
     return summary
+
+
+def _check_confusion(summary: dict[str, Any], path: str, fix: str) -> None:
+    """A classifier's final confusion matrix: a square list of counts, one row and one column per label's name."""
+    names, matrix = summary.get("eval_labels"), summary.get("eval_confusion")
+    if names is not None and not all(isinstance(name, str) for name in names):
+        raise ConfigError(path, "eval_labels", names, "a list of the labels' names (strings)", fix)
+    if matrix is None:
+        return
+    size = len(names) if names is not None else len(matrix)
+    counts = (
+        len(matrix) == size > 0
+        and all(isinstance(row, list) and len(row) == size for row in matrix)
+        and all(_number(n) and isinstance(n, int) and n >= 0 for row in matrix for n in row)
+    )
+    if not counts:
+        labels = f" of eval_labels ({size})" if names is not None else ""
+        expected = f"a square list of counts (integers >= 0), one row and one column per label{labels}"
+        raise ConfigError(path, "eval_confusion", matrix, expected, fix)
 
 
 def training_time(steps: list[dict[str, Any]], global_batch: int) -> np.ndarray:

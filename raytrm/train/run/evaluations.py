@@ -68,7 +68,7 @@ class Evaluations(Hook):
 
 class IntervalEvaluation(Hook):
     """`raytrm train`'s evaluations, on rank 0 (which writes the run): every `interval` steps where a metrics row is
-    written (its scores go into the row), and once after the last step (`final`, into the summary)."""
+    written (its numbers go into the row), and once after the last step (`final`, into the summary, whole)."""
 
     def __init__(self, trainer: Trainer, interval: int | None) -> None:
         self.trainer, self.interval = trainer, interval
@@ -76,9 +76,13 @@ class IntervalEvaluation(Hook):
         self.final: dict[str, Any] = {}
 
     def row_scores(self, step: int) -> dict[str, Any]:
-        """The scores for the row of this step, where one is due."""
+        """The scores for the row of this step, where one is due: its numbers alone. A metrics row is a set of
+        series (the report's curves, TensorBoard's scalars); the structures an evaluation also gives (a classifier's
+        confusion matrix and its labels) go to the summary, with the final evaluation."""
         due = self.rank0 and self.interval and step % self.interval == 0
-        return self.trainer.evaluate() if due else {}
+        if not due:
+            return {}
+        return {key: value for key, value in self.trainer.evaluate().items() if not isinstance(value, (list, dict))}
 
     def finish(self, loop: Loop) -> None:
         self.final = self.trainer.evaluate() if self.rank0 else {}

@@ -5,6 +5,7 @@ line. The records come from a stand-in of raytrm.data.hf_records (tests/unit/fam
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -305,7 +306,7 @@ def test_the_classifier_scores_the_held_out_records_and_its_confusion(hf_config)
     pred_a, true_a = np.array(pred), np.array(true)
     confusion = [[int(((true_a == t) & (pred_a == p)).sum()) for p in range(2)] for t in range(2)]
     majority = int(np.bincount(trainer.train_data.labels).argmax())
-    assert scores["eval_confusion"] == confusion
+    assert scores["eval_confusion"] == confusion and scores["eval_labels"] == ["neg", "pos"]
     assert scores["eval_accuracy"] == pytest.approx(float((pred_a == true_a).mean()))
     assert scores["eval_macro_f1"] == pytest.approx(macro_f1(pred_a, true_a, 2))
     assert scores["eval_majority_acc"] == pytest.approx(float((true_a == majority).mean()))
@@ -346,9 +347,17 @@ def test_the_classifier_learns_its_records(hf_config, tmp_path):
     # 'pos' records hold the word 'sun', 'neg' ones do not: a word the tiny tokenizer knows, so a classifier that
     # reads its input gets nearly every held-out record right, where the majority class holds about 60% of them.
     opener = hf_stand_in.opener(count=256, held_out=64)
-    summary = run_training(hf_config(opener=opener, steps=80, lr=3e-3, ema=False, log_interval=20), tmp_path / "run")
+    config = hf_config(opener=opener, steps=80, lr=3e-3, ema=False, log_interval=20, eval_interval=40)
+    summary = run_training(config, tmp_path / "run")
     assert summary["eval_documents"] == 64
     assert summary["eval_accuracy"] > summary["eval_majority_acc"] + 0.2
+    # The final evaluation's confusion matrix and its axes reach summary.json; the rows of metrics.jsonl stay numbers.
+    recorded = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert recorded["eval_labels"] == ["neg", "pos"]
+    assert recorded["eval_confusion"] == summary["eval_confusion"] and np.sum(recorded["eval_confusion"]) == 64
+    evaluated = [row for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if "eval_accuracy" in row]
+    assert [row["step"] for row in evaluated] == [40, 80]
+    assert not [key for row in evaluated for key, value in row.items() if isinstance(value, (list, dict))]
 
 
 # -- bad input: one line each -----------------------------------------------------------------------------------------

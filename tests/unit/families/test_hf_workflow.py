@@ -33,6 +33,14 @@ def test_a_user_fine_tunes_a_classifier_on_records_then_predicts_and_evaluates(h
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eval_accuracy"] > summary["eval_majority_acc"] + 0.2, summary
     assert (run / "model" / "config.json").is_file() and (run / "model" / "tokenizer.json").is_file()
+    # The report says the final scores and draws the confusion matrix, in the labels' names.
+    assert summary["eval_labels"] == ["neg", "pos"]
+    assert sum(map(sum, summary["eval_confusion"])) == summary["eval_documents"]
+    assert main(["report", str(run)]) == 0
+    scores = capsys.readouterr().out.splitlines()[1]
+    held_out = f"{summary['eval_documents']:.0f} held-out documents"
+    assert scores.startswith(f"final evaluation on {held_out}: accuracy {summary['eval_accuracy']:.3f}")
+    assert (run / "report" / "confusion.png").read_bytes()[:4] == b"\x89PNG"
 
     from transformers import pipeline
 

@@ -55,6 +55,11 @@ def test_worker_rows_and_thermal_state_become_scalars():
     }
 
 
+def test_a_classifiers_confusion_and_labels_are_no_scalars():
+    record = {"step": 8, "eval_accuracy": 0.75, "eval_confusion": [[3, 1], [1, 3]], "eval_labels": ["neg", "pos"]}
+    assert tensorboard.scalars(record) == {"eval/accuracy": 0.75}
+
+
 def test_a_resume_replaces_the_steps_past_it(tmp_path):
     pytest.importorskip("tensorboard", reason="the optional tensorboard extra is not installed")
     log = MetricsLog(tmp_path / "metrics.jsonl")
