@@ -9,8 +9,8 @@ truncated to each row's max length; each row gives the distribution of the train
 raytrm's side is what `raytrm train --model hf --model-path DIR --data records.csv --seq-len L --global-batch B
 --micro-batch B --threads T --device cpu --dtype float32` runs (the hf family's embedded default and those flags,
 resolved as the CLI resolves them): its `Trainer.train_step` gathers the batch from the token cache (sorted longest
-first), runs the forward and backward (on a CPU with several threads, the records dealt out to the threads side by
-side, each thread's share cut to its own longest record), clips the gradient and applies AdamW.
+first), runs the forward and backward (on a CPU with several threads, the records shared out to the threads side by
+side by their tokens, each thread's share cut to its own longest record), clips the gradient and applies AdamW.
 
 The Trainer's side is benchmarks.hf_trainer: transformers' Trainer with its defaults (DataCollatorWithPadding, each
 batch padded to its longest record, no length grouping; fused AdamW) and raytrm's optimizer settings, on the same
