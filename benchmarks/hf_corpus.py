@@ -133,14 +133,6 @@ def build_corpus(
     return records
 
 
-def token_lengths(records: Path, tokenizer: object, max_length: int) -> np.ndarray:
-    """Each record's tokens as the model reads it (special tokens included, truncated to max_length)."""
-    with records.open(newline="", encoding="utf-8") as f:
-        texts = [row["text"] for row in csv.DictReader(f)]
-    encoded = tokenizer(texts, truncation=True, max_length=max_length)  # type: ignore[operator]
-    return np.array([len(ids) for ids in encoded["input_ids"]])
-
-
 def describe_lengths(lengths: np.ndarray, max_length: int) -> dict[str, float]:
     """The distribution of records' token lengths: quantiles, mean, and the share cut at max_length."""
     q = np.percentile(lengths, [0, 10, 25, 50, 75, 90, 100])
