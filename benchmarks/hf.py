@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.hf_corpus import build_corpus, describe_lengths
-from benchmarks.hf_trainer import HFTrainerSteps, padded_tokens
+from benchmarks.hf_trainer import TrainerReference, padded_tokens
 from benchmarks.transformer import caches_in
 from raytrm import config as cfg
 from raytrm.errors import UserError
@@ -128,7 +128,7 @@ def measure_row(
                 f"the {WARMUP} warm-up and {repeats} timed steps (each side trains on one pass of the records); fix: "
                 "lower --repeats, or build more records (--per-label)"
             )
-        reference = HFTrainerSteps(experiment, data, model_dir, work / f"hf-trainer-{max_length}")
+        reference = TrainerReference(experiment, data, model_dir, work / f"hf-trainer-{max_length}")
         # Before raytrm's first step: its copies of the model for its threads are made then, with the hook.
         padded_tokens(trainer.model, ours_count)
         padded_tokens(reference.model, theirs_count)

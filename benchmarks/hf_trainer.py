@@ -65,7 +65,7 @@ class EpochOrder(torch.utils.data.Sampler):
         return iter(order.tolist())
 
 
-class HFTrainerSteps:
+class TrainerReference:
     """A transformers Trainer on raytrm's records whose loop runs another step after each of its own (`alternate`)."""
 
     def __init__(self, experiment: cfg.ExperimentConfig, records: Any, model_dir: Path, out_dir: Path) -> None:
