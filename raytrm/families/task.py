@@ -9,7 +9,7 @@ tokens for a language model), so the accumulated gradient does not depend on how
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -38,6 +38,10 @@ class Task(Protocol):
     overlaps_sync: bool
 
     def begin_step(self, batch: Batch, global_batch: int, part: slice) -> Any: ...
+    #: What each of this worker's slots costs to run, where they differ (an hf classifier's records: their tokens, as
+    #: each micro-batch is cut to its longest), for a CPU's threads to share a step's work evenly
+    #: (raytrm.train.side_by_side.plan); None where every slot costs the same.
+    def slot_costs(self, step: Any) -> Sequence[int] | None: ...
     #: Host work for the next step, done while the device still runs this one (the Trainer calls it with the next
     #: global batch's gathering); begin_step uses it, and what it draws is not drawn twice.
     def prepare_step(self, global_batch: int) -> None: ...

@@ -99,6 +99,9 @@ class TRMTask:
         state = self.explore_rng.get_state()
         self._drawn = (state, global_batch, self._draw(global_batch))
 
+    def slot_costs(self, step: Exploration) -> None:
+        return None  # every puzzle runs the same recursion
+
     def begin_step(self, batch: Batch, global_batch: int, part: slice) -> Exploration:
         """batch holds this worker's slots `part` of the global batch."""
         drawn, self._drawn = self._drawn, None

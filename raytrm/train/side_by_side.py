@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -58,13 +58,22 @@ def side_by_side(local_batch: int, micro_batch: int, threads: int) -> int:
     return max(1, min(threads, local_batch, micro_batch))
 
 
-def plan(local_batch: int, micro_batch: int, threads: int) -> list[list[slice]]:
+def plan(local_batch: int, micro_batch: int, threads: int, costs: Sequence[int] | None = None) -> list[list[slice]]:
     """Each thread's micro-batches, as slices of the local slots. The slots are dealt out in contiguous shares, and
     the micro-batch's slots among the threads, both as evenly as possible (the larger first); each thread runs its
     share in micro-batches of its part (the last may be smaller). A share is never smaller than its part, so the
     micro-batches in flight at once add up to the configured micro-batch, never more: the peak the memory model
-    fits against the micro-batch is the peak side by side."""
+    fits against the micro-batch is the peak side by side.
+
+    costs: what each slot costs where slots differ (an hf classifier's records: their tokens, each micro-batch cut
+    to its longest). Where one micro-batch holds every slot, each thread's share is then one micro-batch and the
+    shares are cut where their padded costs are most even (`balanced_shares`), not their counts: the slots come
+    sorted longest first, and equal counts would leave one thread all the long records while the others wait. The
+    micro-batches in flight still add up to the micro-batch, and no share pads past the longest record.
+    """
     threads = side_by_side(local_batch, micro_batch, threads)
+    if costs is not None and threads > 1 and micro_batch >= local_batch:
+        return [[share] for share in balanced_shares(costs, threads)]
     starts = itertools.accumulate(even(local_batch, threads), initial=0)
     groups = []
     for (start, stop), part in zip(itertools.pairwise(starts), even(micro_batch, threads), strict=True):
@@ -72,6 +81,41 @@ def plan(local_batch: int, micro_batch: int, threads: int) -> list[list[slice]]:
         bounds = itertools.accumulate([part] * whole + ([rest] if rest else []), initial=start)
         groups.append([slice(a, b) for a, b in itertools.pairwise(bounds)])
     return groups
+
+
+def padded_cost(costs: Sequence[int], share: slice) -> int:
+    """A share run as one micro-batch: its slots, each padded to the costliest of them."""
+    return (share.stop - share.start) * max(costs[share], default=0)
+
+
+def balanced_shares(costs: Sequence[int], threads: int) -> list[slice]:
+    """At most `threads` contiguous shares of the slots whose largest padded cost is the least any such cut gives.
+
+    The least cap under which a greedy cut (each share as long as it stays under the cap) needs no more shares than
+    threads, found by bisection: a share's padded cost only grows as it takes in more slots, so the greedy cut needs
+    the fewest shares for a cap. Equal costs give even counts, the larger first.
+    """
+    costs = [int(c) for c in costs]
+
+    def greedy(cap: int) -> list[slice]:
+        shares, start = [], 0
+        while start < len(costs):
+            stop, top = start + 1, costs[start]
+            while stop < len(costs) and (stop + 1 - start) * max(top, costs[stop]) <= cap:
+                top = max(top, costs[stop])
+                stop += 1
+            shares.append(slice(start, stop))
+            start = stop
+        return shares
+
+    low, high = max(costs, default=0), len(costs) * max(costs, default=0)
+    while low < high:
+        cap = (low + high) // 2
+        if len(greedy(cap)) <= threads:
+            high = cap
+        else:
+            low = cap + 1
+    return greedy(low)
 
 
 def _replica(model: nn.Module) -> nn.Module:

@@ -246,7 +246,7 @@ class Trainer:
         loss_sum: Scalar = 0.0
         threads = side_by_side.side_by_side(self.local_batch, self.micro_batch, torch.get_num_threads())
         if self._threaded is not None and threads > 1 and not self.strategy.overlapped and not side_by_side.observed():
-            groups = side_by_side.plan(self.local_batch, self.micro_batch, threads)
+            groups = side_by_side.plan(self.local_batch, self.micro_batch, threads, self.task.slot_costs(step))
             results = self._threaded.run(groups, lambda model, part: self.task.micro_step(batch, part, step, model))
         else:
             results = [self.task.micro_step(batch, part, step) for part in self.strategy.micro_batches(self.slices())]

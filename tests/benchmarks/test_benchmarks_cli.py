@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_it_runs_as_a_module_from_the_repository_root():
     done = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert all(f"    {name}" in done.stdout for name in ("trm", "transformer", "mix", "memory", "tune", "distributed"))
-    assert set(COMMANDS) == {"trm", "transformer", "mix", "memory", "tune", "distributed"}
+    names = {"trm", "transformer", "mix", "memory", "tune", "distributed", "hf"}
+    assert all(f"    {name}" in done.stdout for name in names)
+    assert set(COMMANDS) == names
 
 
 def test_a_flag_of_another_benchmark_is_refused(capsys):

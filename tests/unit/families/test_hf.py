@@ -24,6 +24,7 @@ from raytrm.families.hf import HFTask
 from raytrm.families.hf_model import MAC_ENVIRONMENT, TOKENIZER_FILES, prepare_environment, save_model_dir
 from raytrm.families.task import macro_f1
 from raytrm.train import checkpoint as ckpt
+from raytrm.train import side_by_side
 from raytrm.train.run.metrics import read_metrics
 from raytrm.train.run.size_rule import size_rule
 from raytrm.train.run.training import run_training
@@ -130,6 +131,47 @@ def test_the_cut_and_the_padding_leave_the_gradient_unchanged(hf_config, task, a
             torch.testing.assert_close(ga[key], gb[key], rtol=1e-4, atol=1e-6 * scale, msg=key)
         whole.optimizer_step()
         parts.optimizer_step()
+
+
+@pytest.mark.skipif(
+    not side_by_side.available(torch.device("cpu"), compiled=False), reason="needs OpenMP and MKL (per-thread counts)"
+)
+def test_a_cpus_threads_share_a_classifiers_records_by_their_tokens(hf_config):
+    """One micro-batch on two threads side by side: each thread's share is cut to its own longest record where the
+    padded tokens are most even (not at half the records, which leaves one thread the long ones), and the gradient
+    is the one micro-batch's."""
+    alone = Trainer(hf_config(still=True, threads=1))
+    side = Trainer(hf_config(still=True, threads=2))
+    shapes: list[tuple[int, int]] = []
+    side.model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    uneven = 0
+    try:
+        for step in range(3):
+            indices = batch_indices(len(alone.train_data), 16, 3, step)
+            batch = {k: torch.from_numpy(v) for k, v in alone.train_data.batch(indices).items()}
+            lengths = batch["lengths"].tolist()
+            shapes.clear()
+            torch.set_num_threads(1)
+            loss_a, _ = alone.forward_backward(batch)
+            torch.set_num_threads(2)
+            loss_b, _ = side.forward_backward(batch)
+            shares = side_by_side.balanced_shares(lengths, 2)
+            assert sorted(shapes) == sorted((s.stop - s.start, lengths[s.start]) for s in shares)
+            by_count = max(side_by_side.padded_cost(lengths, s) for s in (slice(0, 8), slice(8, 16)))
+            uneven += max(side_by_side.padded_cost(lengths, s) for s in shares) < by_count
+            assert loss_a == pytest.approx(loss_b, rel=1e-5)
+            ga, gb = grads(alone), grads(side)
+            scale = max(float(g.abs().max()) for g in ga.values())
+            for key in ga:
+                torch.testing.assert_close(ga[key], gb[key], rtol=1e-4, atol=1e-6 * scale, msg=key)
+            alone.optimizer_step()
+            side.optimizer_step()
+    finally:
+        side.close()
+        alone.close()
+    assert uneven  # the stand-in's records are of very different lengths: halves by count would wait on the long
 
 
 def _strip(records: list[dict]) -> list[dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -51,6 +52,35 @@ def test_the_micro_batches_in_flight_add_up_to_the_micro_batch_and_never_more(th
             )
             assert groups[-1][-1].stop == local
             assert sum(max(p.stop - p.start for p in g) for g in groups) == micro
+
+
+def test_slots_of_unequal_cost_are_shared_by_their_padded_cost_where_one_micro_batch_holds_them():
+    # Records sorted longest first: by count, thread 0 would run 4 x 100 while thread 1 ran 4 x 3.
+    costs = [100, 60, 50, 40, 5, 4, 3, 3]
+    assert threaded.plan(8, 8, 2, costs) == [[slice(0, 3)], [slice(3, 8)]]  # 3 x 100 and 5 x 40
+    assert threaded.plan(8, 8, 2, [7] * 8) == threaded.plan(8, 8, 2) == [[slice(0, 4)], [slice(4, 8)]]
+    assert threaded.plan(9, 9, 2, [7] * 9) == threaded.plan(9, 9, 2)  # equal costs: even counts, the larger first
+    # Micro-batches smaller than the share (the memory governor's cut): by count, as the memory model fits them.
+    assert threaded.plan(8, 4, 2, costs) == threaded.plan(8, 4, 2)
+    assert threaded.plan(8, 8, 1, costs) == [[slice(0, 8)]]
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_the_balanced_shares_are_the_best_contiguous_cut(threads):
+    """Against every cut of the slots into at most `threads` contiguous shares: none has a smaller largest share."""
+    rng = np.random.default_rng(threads)
+    for _ in range(40):
+        n = int(rng.integers(1, 11))
+        costs = sorted(rng.integers(1, 300, n).tolist(), reverse=bool(rng.integers(2)))
+        shares = threaded.balanced_shares(costs, threads)
+        assert shares[0].start == 0 and shares[-1].stop == n and len(shares) <= threads
+        assert all(a.stop == b.start and a.start < a.stop for a, b in itertools.pairwise(shares))
+        best = min(
+            max(threaded.padded_cost(costs, slice(a, b)) for a, b in itertools.pairwise([0, *cuts, n]))
+            for k in range(min(threads, n))
+            for cuts in itertools.combinations(range(1, n), k)
+        )
+        assert max(threaded.padded_cost(costs, share) for share in shares) == best
 
 
 def test_it_runs_only_where_a_threads_count_is_its_own():
