@@ -10,13 +10,14 @@ what was expected and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import re
 import shutil
 import sys
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,27 @@ def _positions(config: Any) -> int | None:
     return None
 
 
+@contextlib.contextmanager
+def quietly() -> Iterator[None]:
+    """transformers' own load report and progress bars off while it loads or saves a model: raytrm says in its own
+    lines what matters there (a new classifier head, where the model was written). raytrm's log level DEBUG keeps
+    them."""
+    from transformers.utils import logging as hf_logging
+
+    if logger.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def build_model(model: cfg.ModelConfig, label_names: Sequence[str], pad_id: int | None) -> nn.Module:
     """The model of model.path for model.task, with fp32 weights (the forward's dtype is the Trainer's), seeded by
     the caller; a classifier's head has one output per label name, a new head where the directory's has another
@@ -210,13 +232,15 @@ def build_model(model: cfg.ModelConfig, label_names: Sequence[str], pad_id: int 
                 len(names),
                 ", ".join(names),
             )
-        built = AutoModelForSequenceClassification.from_pretrained(
-            source, **labels, ignore_mismatched_sizes=other_head, dtype=torch.float32
-        )
+        with quietly():
+            built = AutoModelForSequenceClassification.from_pretrained(
+                source, **labels, ignore_mismatched_sizes=other_head, dtype=torch.float32
+            )
         if built.config.pad_token_id is None:  # a decoder's classifier reads the last token that is not padding
             built.config.pad_token_id = pad_id
     else:
-        built = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        with quietly():
+            built = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         if not _causal(built):
             raise ConfigError(
                 str(source),
@@ -301,8 +325,9 @@ def save_model_dir(model: nn.Module, tokenizer: Any, out: Path, merge: bool = Tr
     if merged:
         # On a copy: the run's model keeps its adapters (the EMA's weights are swapped back into it afterwards).
         model = copy.deepcopy(model).merge_and_unload()
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
+    with quietly():
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
     if out.exists():
         shutil.rmtree(out)
     partial.rename(out)

@@ -22,7 +22,7 @@ from raytrm import config as cfg
 from raytrm.data.hf_cache import encode_records
 from raytrm.data.records import read_fields
 from raytrm.errors import ConfigError, UserError
-from raytrm.families.hf_model import MODEL_DIR, require_libraries
+from raytrm.families.hf_model import MODEL_DIR, quietly, require_libraries
 from raytrm.families.task import classification_scores
 from raytrm.hardware import device as devices
 
@@ -62,7 +62,8 @@ class Classifier:
 
         self.device = devices.pick_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(self.device).eval()
+        with quietly():
+            self.model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(self.device).eval()
         if self.tokenizer.pad_token is None:  # a decoder's tokenizer often has none: pad as the run padded
             pad = self.model.config.pad_token_id
             self.tokenizer.pad_token = (

@@ -268,10 +268,23 @@ def test_lora_starts_as_the_base_model_and_trains_only_its_adapters_and_head(hf_
 
 
 def test_a_classifier_of_other_labels_gets_a_new_head_and_says_so(hf_config, caplog):
+    from transformers.utils import logging as hf_logging
+
+    said: list[str] = []
+    heard = logging.Handler()
+    heard.emit = lambda record: said.append(record.getMessage())  # what transformers' own logger lets through
+    logging.getLogger("transformers").addHandler(heard)
     opener = hf_stand_in.opener(("neg", "pos", "meh"), relabel=lambda i, label: "meh" if i % 4 == 0 else label)
-    with caplog.at_level(logging.INFO, logger="raytrm.families.hf_model"):
-        trainer = Trainer(hf_config(opener=opener))
+    try:
+        with caplog.at_level(logging.INFO, logger="raytrm.families.hf_model"):
+            trainer = Trainer(hf_config(opener=opener))
+    finally:
+        logging.getLogger("transformers").removeHandler(heard)
     assert "head has 2 outputs, the data 3 labels (neg, pos, meh): a new head" in caplog.text
+    # said once, in raytrm's line: transformers' own report of the new head and its progress bars stay off, and its
+    # settings are the user's again afterwards
+    assert not [line for line in said if "LOAD REPORT" in line], said
+    assert hf_logging.get_verbosity() == hf_logging.WARNING and hf_logging.is_progress_bar_enabled()
     assert trainer.model.config.id2label == {0: "neg", 1: "pos", 2: "meh"}
     assert trainer.model.classifier.weight.shape == (3, 32)
     assert trainer.train_step().metrics["ce_loss"] > 0
