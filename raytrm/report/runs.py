@@ -266,7 +266,9 @@ def load_run(run_dir: str | Path) -> RunRecord:
     last = steps[-1]["step"]
     if summary is None:
         notes.append(f"no {SUMMARY_FILE}: the run did not finish (killed, or still running); read from {METRICS_FILE}")
-    elif summary.get("steps") != last:
+    elif not last <= summary.get("steps", -1) < last + config.training.log_interval:
+        # A run logs every log_interval steps, and may stop between two rows (a time budget): its summary is then
+        # of a step past the last row, never a whole interval past it, and never before it.
         notes.append(
             f"{SUMMARY_FILE} is of step {summary.get('steps')}, {METRICS_FILE} goes to step {last}: a resumed run "
             f"did not finish; read from {METRICS_FILE}"

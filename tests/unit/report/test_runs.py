@@ -114,3 +114,14 @@ def test_a_number_where_the_report_plots_a_series_is_only_skipped(run, capsys):
     )
     assert main(["report", str(run)]) == 0
     assert load_run(run).series("loss")[0].tolist() == [0, 2]
+
+
+@pytest.mark.parametrize(("summary_step", "kept"), [(3, True), (12, True), (13, False), (2, False)])
+def test_a_summary_is_the_runs_own_when_its_step_lies_within_a_log_interval_past_the_last_row(run, summary_step, kept):
+    """A run stopped between two rows (its time budget ran out at step 12, rows every 10) keeps its summary; one of
+    a step before the rows, or a whole interval past them, is another run's (a resumed run that did not finish)."""
+    (run / "config.yaml").write_text("training: {log_interval: 10}\n")
+    (run / "summary.json").write_text(json.dumps({"steps": summary_step}))
+    record = load_run(run)
+    assert (record.summary is not None) == kept
+    assert any("did not finish" in note for note in record.notes) != kept
