@@ -5,9 +5,9 @@ model, one micro-batch's loss and its evaluation: raytrm.families.task.Task), wh
 one-line check of a data path before a run starts, the experiment `raytrm train --model NAME` runs without a config,
 where that default was tuned (the size rule's anchor) with how its learning rate falls with width, the scores a
 tuner's quality objective may maximize, and what a run leaves behind besides its checkpoints (the Hugging Face
-family's model directory). Every module
-here is found and imported on the first lookup, so adding a family is adding its module. (Its config fields are
-declared with the others in raytrm.config, which is read before any family is imported.)
+family's model directory). Every module here is found and imported on the first lookup, so adding a family is adding
+its module. (Its config fields are declared with the others in raytrm.config, which is read before any family is
+imported.)
 """
 
 from __future__ import annotations
