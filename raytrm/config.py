@@ -26,8 +26,8 @@ THERMAL_STATES = ("nominal", "fair", "serious", "critical")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 SYNC_MODES = ("auto", "exact", "compressed", "local")
-#: What a resumed run may change: how long it goes on.
-RESUMABLE_CHANGES = {("training", "steps"), ("training", "time_budget_s")}
+#: What a resumed run may change: how long it goes on, and what it leaves behind (a LoRA model merged or not).
+RESUMABLE_CHANGES = {("training", "steps"), ("training", "time_budget_s"), ("model", "lora_merge")}
 #: Training fields that belong to a machine, not to the experiment: a distributed run's workers take them from the
 #: profile of their tier, or from their tier; a checkpoint may be resumed with other values of them.
 MACHINE_SETTINGS = (
@@ -130,6 +130,12 @@ class ModelConfig:
     lora_targets: list | None = spec(
         None, "hf: names of the modules LoRA wraps; None = peft's choice for the architecture", when=HF
     )
+    lora_merge: bool = spec(
+        True,
+        "hf with LoRA: RUN_DIR/model holds the weights with the adapters merged in (a whole model); false: the "
+        "adapters and a classifier's head alone, a few MB, which transformers loads onto model.path's weights",
+        when=HF,
+    )
     forward_dtype: str = spec("auto", "dtype of the forward pass; auto lets the device module choose", choices=DTYPES)
 
     def validate(self, source: str, prefix: str = "model") -> None:
@@ -145,6 +151,14 @@ class ModelConfig:
         if self.lora_rank is None and self.lora_targets is not None:
             raise ConfigError(
                 source, f"{prefix}.lora_targets", self.lora_targets, "unset without lora_rank", "set lora_rank too"
+            )
+        if self.lora_rank is None and not self.lora_merge:
+            raise ConfigError(
+                source,
+                f"{prefix}.lora_merge",
+                False,
+                "true without lora_rank (a whole model has no adapters to keep apart)",
+                "set lora_rank too, or drop lora_merge",
             )
         if (
             self.name in NATIVE

@@ -272,8 +272,9 @@ def _lr_exponent(model: cfg.ModelConfig) -> tuple[str, float]:
 
 
 def _finish(task: HFTask, run_dir: Path) -> None:
-    """RUN_DIR/model: the trained model (LoRA merged in), its tokenizer and its labels' names, for transformers."""
-    save_model_dir(task.model, task.tokenizer, Path(run_dir) / MODEL_DIR)
+    """RUN_DIR/model: the trained model (LoRA merged in, or its adapters alone: model.lora_merge), its tokenizer and
+    its labels' names, for transformers."""
+    save_model_dir(task.model, task.tokenizer, Path(run_dir) / MODEL_DIR, merge=task.config.model.lora_merge)
 
 
 def _infer(experiment: dict[str, Any]) -> None:

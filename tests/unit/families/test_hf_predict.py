@@ -133,3 +133,25 @@ def test_a_decoders_classifier_predicts_padded_batches_when_its_tokenizer_has_no
     expected = reference(run_dir, texts)  # one text at a time: no padding
     assert [r["label"] for r in rows] == [e["label"] for e in expected]
     assert [float(r["score"]) for r in rows] == pytest.approx([e["score"] for e in expected], abs=2e-6)
+
+
+def test_a_run_that_keeps_its_adapters_apart_leaves_them_alone_and_predicts_the_same(hf_config, run, tmp_path):
+    """model.lora_merge false: RUN_DIR/model holds the adapters and the head (no copy of the base weights), which
+    transformers loads onto model.path's weights; the same seed and steps predict as the merged run does."""
+    kept = tmp_path / "kept"
+    run_training(hf_config(model={"lora_rank": 4, "lora_merge": False}, steps=6, lr=3e-3, ema=False), kept)
+    assert (kept / "model" / "adapter_config.json").is_file()
+    assert not (kept / "model" / "model.safetensors").exists() and (run / "model" / "model.safetensors").is_file()
+    texts, _ = hf_stand_in.texts(12, seed=7)
+    records = write_jsonl(tmp_path / "new.jsonl", [{"text": t} for t in texts])
+    merged = list(csv.DictReader(predict(run, records, tmp_path / "merged.csv").open()))
+    apart = list(csv.DictReader(predict(kept, records, tmp_path / "apart.csv").open()))
+    assert [r["label"] for r in apart] == [r["label"] for r in merged]
+    assert [float(r["score"]) for r in apart] == pytest.approx([float(r["score"]) for r in merged], rel=1e-4)
+
+
+def test_keeping_adapters_apart_without_lora_is_one_line(hf_config):
+    from raytrm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.lora_merge: got False, expected true without lora_rank"):
+        hf_config(model={"lora_merge": False})
