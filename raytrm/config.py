@@ -26,8 +26,8 @@ THERMAL_STATES = ("nominal", "fair", "serious", "critical")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 SYNC_MODES = ("auto", "exact", "compressed", "local")
-#: What a resumed run may change: how long it goes on, and what it leaves behind (a LoRA model merged or not).
-RESUMABLE_CHANGES = {("training", "steps"), ("training", "time_budget_s"), ("model", "lora_merge")}
+#: What a resumed run may change: how long it goes on.
+RESUMABLE_CHANGES = {("training", "steps"), ("training", "time_budget_s")}
 #: Training fields that belong to a machine, not to the experiment: a distributed run's workers take them from the
 #: profile of their tier, or from their tier; a checkpoint may be resumed with other values of them.
 MACHINE_SETTINGS = (
