@@ -101,6 +101,13 @@ class MemoryGovernor:
         return bool(self._probe)
 
     @property
+    def measuring(self) -> bool:
+        """The next step's peak goes into the fit: a probe step, or a step of the approach to the target. Such a step
+        should cost what the costliest of its kind could (a Hugging Face model's records padded to max length), so
+        that the cut the fit chooses holds whatever records a later step draws."""
+        return bool(self._probe) or self._approaching
+
+    @property
     def settled(self) -> bool:
         """Probed, fitted and at its target: its points are worth keeping for the next run of the model."""
         return not self._probe and not self._approaching and self.fit is not None and not self.hold
