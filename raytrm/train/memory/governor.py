@@ -138,6 +138,16 @@ class MemoryGovernor:
         self._points.append((self._current, peak_bytes))
         if self._probe:
             self._probe.pop(0)
+            if self._probe and peak_bytes > self.settings.high_water * self.budget_bytes and self._cuts_measured() >= 2:
+                # The larger probes would only go further past the budget: fit on the cuts measured so far.
+                logger.info(
+                    "step %d: peak %.0f MiB at probe cut %d is above %.0f%% of the budget: larger probes skipped",
+                    step,
+                    peak_bytes / MiB,
+                    self._current,
+                    100 * self.settings.high_water,
+                )
+                self._probe.clear()
             if self._probe:
                 self._current = self._probe[0]
                 return self._current
@@ -206,6 +216,9 @@ class MemoryGovernor:
         self.target = max(1, self._current // 2)
         self._event(step, "out-of-memory", self.target, "the allocator raised out-of-memory; the step is redone")
         return self._current
+
+    def _cuts_measured(self) -> int:
+        return len({cut for cut, _ in self._points})
 
     def _fit_points(self) -> dict[int, int]:
         # The newest point per micro-batch: old peaks at a size predate what the process holds now. The warm-up step
