@@ -76,6 +76,9 @@ class TransformerTask:
     def slot_costs(self, step: int) -> None:
         return None  # every sample runs seq_len tokens
 
+    def widest(self, batch: Batch) -> Batch:
+        return batch  # every sample runs seq_len tokens
+
     def prepare_step(self, global_batch: int) -> None:
         pass  # nothing is drawn ahead: dropout draws on the device
 

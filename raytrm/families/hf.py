@@ -113,6 +113,7 @@ class HFTask:
         self.label_names = tuple(meta.label_names or ())
         self.tokens_per_sample = meta.tokens_per_sample
         torch.manual_seed(config.training.seed)  # a new head's (and LoRA's A's) initial weights
+        self.pad_id = meta.pad_id
         self.model = build_model(config.model, self.label_names, meta.pad_id).to(device)
         self.lora = is_lora(self.model)
         self._majority: int | None = None
@@ -128,6 +129,22 @@ class HFTask:
         the device once a step for the micro-batches' cuts."""
         lengths = batch["lengths"].cpu().numpy() if "lengths" in batch else None
         return Step(global_batch * (self.tokens_per_sample or 1), lengths)
+
+    def widest(self, batch: Batch) -> Batch:
+        """A classifier's records padded to max length (model.seq_len) and run at that width: the padding is masked,
+        so the logits and the gradient are the batch's own, at the cost of its longest possible records. A language
+        model's windows are all of that length already."""
+        if "lengths" not in batch:
+            return batch
+        width = self.config.model.seq_len
+        short = width - batch["input_ids"].shape[1]
+        out = dict(batch)
+        fills = {"input_ids": self.pad_id or 0, "attention_mask": 0, "token_type_ids": 0}
+        for key, fill in fills.items():
+            if key in out and short > 0:
+                out[key] = F.pad(out[key], (0, short), value=fill)
+        out["lengths"] = torch.full_like(batch["lengths"], width)
+        return out
 
     def slot_costs(self, step: Step) -> np.ndarray | None:
         """A classifier's records cost their tokens (each micro-batch is cut to its longest); an lm's windows are

@@ -42,6 +42,10 @@ class Task(Protocol):
     #: each micro-batch is cut to its longest), for a CPU's threads to share a step's work evenly
     #: (raytrm.train.side_by_side.plan); None where every slot costs the same.
     def slot_costs(self, step: Any) -> Sequence[int] | None: ...
+    #: The batch as costly as one of its size can be (a Hugging Face classifier's records padded to max length, each
+    #: micro-batch run at that width), its result unchanged: what the memory governor measures its fit on. The batch
+    #: itself where every batch of a size costs the same.
+    def widest(self, batch: Batch) -> Batch: ...
     #: Host work for the next step, done while the device still runs this one (the Trainer calls it with the next
     #: global batch's gathering); begin_step uses it, and what it draws is not drawn twice.
     def prepare_step(self, global_batch: int) -> None: ...

@@ -102,6 +102,9 @@ class TRMTask:
     def slot_costs(self, step: Exploration) -> None:
         return None  # every puzzle runs the same recursion
 
+    def widest(self, batch: Batch) -> Batch:
+        return batch  # every puzzle runs the same recursion
+
     def begin_step(self, batch: Batch, global_batch: int, part: slice) -> Exploration:
         """batch holds this worker's slots `part` of the global batch."""
         drawn, self._drawn = self._drawn, None

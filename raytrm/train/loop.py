@@ -54,11 +54,13 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Cut:
-    """The memory governor's micro-batch for the following steps (None: the config's), and whether it still probes
-    the cut (its first steps, part of the warm-up)."""
+    """The memory governor's micro-batch for the following steps (None: the config's), whether it still probes the
+    cut (its first steps, part of the warm-up), and whether those steps run their batches at their widest (every
+    record at the most tokens it may hold: steps whose peaks the governor fits, so the fit holds for any records)."""
 
     micro_batch: int | None
     probing: bool = False
+    widest: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +200,7 @@ class Loop:
             self.applied.append(decision)
             if isinstance(decision, Cut):
                 self.micro_batch, self.probing = decision.micro_batch, decision.probing
+                self.trainer.widest = decision.widest
             elif isinstance(decision, Threads):
                 apply_threads(decision.count)
             elif isinstance(decision, Scale):

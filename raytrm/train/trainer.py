@@ -119,6 +119,7 @@ class Trainer:
         self.last_compute_s = self.last_sync_s = 0.0
         #: Measure the next optimizer step's update/weight ratio (a copy of the weights: asked for on logged steps).
         self.watch_update = False
+        self.widest = False  #: run the batches at their widest (task.widest): the steps the memory governor fits on
         self._grad_norm: torch.Tensor | None = None
         self._update_ratio: torch.Tensor | None = None
         #: Fraction of the gradient bytes whose sum started during the last backward, in the latest step.
@@ -210,6 +211,7 @@ class Trainer:
         it (before the workers' sums, which wait for the device)."""
         batch = self.batches.next(self.step) if batch is None else batch
         batch = {k: rows(v, self.shard).to(self.device, non_blocking=True) for k, v in batch.items()}
+        batch = self.task.widest(batch) if self.widest else batch
         self._sample_bytes = sum(math.prod(v.shape[1:]) * v.element_size() for v in batch.values() if v.dim() > 0)
         start = time.perf_counter()
         step = self.task.begin_step(batch, self.global_batch, self.shard)
@@ -281,9 +283,7 @@ class Trainer:
 
     def set_shares(self, shares: Sequence[int]) -> None:
         """Split the following global batches anew between the workers (every rank calls it with the same shares).
-
-        TRM's carry slots move with their samples: the whole carry is gathered, then each worker keeps its new slots.
-        """
+        TRM's carry slots move with their samples: the whole carry is gathered, then each worker keeps its new slots."""
         full = self.global_carry()
         self.shares = list(shares)
         self.shard = shard(self.shares, self.sync.rank)

@@ -101,6 +101,13 @@ class MemoryGovernor:
         return bool(self._probe)
 
     @property
+    def measuring(self) -> bool:
+        """The next step's peak goes into the fit: a probe step, or a step of the approach to the target. Such a step
+        should cost what the costliest of its kind could (a Hugging Face model's records padded to max length), so
+        that the cut the fit chooses holds whatever records a later step draws."""
+        return bool(self._probe) or self._approaching
+
+    @property
     def settled(self) -> bool:
         """Probed, fitted and at its target: its points are worth keeping for the next run of the model."""
         return not self._probe and not self._approaching and self.fit is not None and not self.hold
@@ -131,6 +138,16 @@ class MemoryGovernor:
         self._points.append((self._current, peak_bytes))
         if self._probe:
             self._probe.pop(0)
+            if self._probe and peak_bytes > self.settings.high_water * self.budget_bytes and self._cuts_measured() >= 2:
+                # The larger probes would only go further past the budget: fit on the cuts measured so far.
+                logger.info(
+                    "step %d: peak %.0f MiB at probe cut %d is above %.0f%% of the budget: larger probes skipped",
+                    step,
+                    peak_bytes / MiB,
+                    self._current,
+                    100 * self.settings.high_water,
+                )
+                self._probe.clear()
             if self._probe:
                 self._current = self._probe[0]
                 return self._current
@@ -199,6 +216,9 @@ class MemoryGovernor:
         self.target = max(1, self._current // 2)
         self._event(step, "out-of-memory", self.target, "the allocator raised out-of-memory; the step is redone")
         return self._current
+
+    def _cuts_measured(self) -> int:
+        return len({cut for cut, _ in self._points})
 
     def _fit_points(self) -> dict[int, int]:
         # The newest point per micro-batch: old peaks at a size predate what the process holds now. The warm-up step

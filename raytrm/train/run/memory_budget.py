@@ -86,7 +86,7 @@ class MemoryBudget(Hook):
         return cls(trainer, governor)
 
     def start(self, loop: Loop) -> Cut:
-        return Cut(None, probing=self.governor.probing)
+        return Cut(None, probing=self.governor.probing, widest=self.governor.measuring)
 
     def before_step(self, loop: Loop) -> None:
         self._seen = len(self.governor.events)
@@ -95,7 +95,8 @@ class MemoryBudget(Hook):
         governor, trainer = self.governor, self.trainer
         probed = governor.probing
         pressure = self.reader.read().pressure if self.reader is not None else None
-        cut = Cut(governor.after_step(trainer.step, step.peak_bytes, pressure), probing=governor.probing)
+        micro = governor.after_step(trainer.step, step.peak_bytes, pressure)
+        cut = Cut(micro, probing=governor.probing, widest=governor.measuring)
         step.events += governor.events[self._seen :]
         if self.kept is not None and governor.settled and self.rank0:
             self.kept[0].put(self.kept[1], governor.measured_points())

@@ -10,6 +10,7 @@ import logging
 import math
 import shutil
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -176,6 +177,63 @@ def test_a_cpus_threads_share_a_classifiers_records_by_their_tokens(hf_config):
 
 def _strip(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
+
+
+def test_a_batch_at_its_widest_runs_every_record_at_max_length_with_the_same_gradient(hf_config):
+    """The memory governor fits its steps' peaks on batches at their widest: the records padded to model.seq_len
+    cost what the longest possible records would, and the padding is masked, so the step learns the same."""
+    plain, wide = Trainer(hf_config(still=True)), Trainer(hf_config(still=True))
+    widths: list[int] = []
+    wide.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    wide.widest = True
+    try:
+        indices = batch_indices(len(plain.train_data), 16, 3, 0)
+        batch = {k: torch.from_numpy(v) for k, v in plain.train_data.batch(indices).items()}
+        assert batch["input_ids"].shape[1] < 48  # the stand-in's records are shorter than max length
+        loss_plain, _ = plain.forward_backward(batch)
+        loss_wide, _ = wide.forward_backward(batch)
+        assert widths and set(widths) == {48}  # every micro-batch at model.seq_len
+        assert loss_wide == pytest.approx(loss_plain, rel=1e-5)
+        ga, gb = grads(plain), grads(wide)
+        scale = max(float(g.abs().max()) for g in ga.values())
+        for key in ga:
+            torch.testing.assert_close(gb[key], ga[key], rtol=1e-4, atol=1e-6 * scale, msg=key)
+    finally:
+        plain.close(), wide.close()
+
+
+def test_a_memory_budget_runs_the_steps_it_fits_on_at_their_widest_and_the_others_as_drawn(hf_config):
+    from raytrm.train.loop import Hook, Loop
+    from raytrm.train.run.memory_budget import MemoryBudget
+    from raytrm.train.run.stop_rules import StepLimit
+
+    trainer = Trainer(hf_config(steps=10, memory_budget_mb=16384, threads=1))
+    widths: list[int] = []
+    trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    budget = MemoryBudget.adapting(trainer)
+    steps: list[tuple[bool, bool, list[int]]] = []  # (the governor measures it, run at its widest, its widths)
+
+    class Watch(Hook):
+        def before_step(self, loop: Loop) -> None:
+            self.flags = (budget.governor.measuring, trainer.widest)
+            widths.clear()
+
+        def end_step(self, loop: Loop, step: Any) -> list:
+            steps.append((*self.flags, list(widths)))
+            return []
+
+    try:
+        Loop(trainer, [budget, Watch(), StepLimit(10)]).run()
+    finally:
+        trainer.close()
+    assert all(measuring == wide for measuring, wide, _ in steps)  # the fitted steps, and only those, at their widest
+    assert any(wide for _, wide, _ in steps) and not steps[-1][1]  # probed and approached, then settled
+    assert all(set(w) == {48} for _, wide, w in steps if wide)  # every micro-batch of a fitted step at max length
+    assert all(max(w) < 48 for _, wide, w in steps if not wide)  # the others cut to their own longest record
 
 
 @pytest.mark.parametrize(("task", "lora"), [("classify", None), ("classify", 4), ("lm", 4)])

@@ -44,6 +44,38 @@ def test_governor_probes_then_approaches_its_choice_under_the_budget():
     assert "micro-batch 100" in gov.events[0]["reason"]
 
 
+def test_a_probe_past_the_budget_skips_the_larger_probes():
+    """Probe cuts are fixed small ones; where one already peaks past the high-water mark, the larger would go further
+    (a Hugging Face model's probes run at max length), so the governor fits on what it measured."""
+    gov = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256)
+    line = lambda b: int((400 + 80 * b) * MiB)  # noqa: E731 - 4 -> 720 MiB, 8 -> 1040 MiB (past 950), 16 -> 1680
+    seen = []
+    for step in range(1, 5):
+        seen.append(gov.micro_batch)
+        gov.after_step(step, line(gov.micro_batch))
+    assert seen == [4, 8, 6, 6] and gov.target == 6  # (0.9 x 1000 - 400) / 80 = 6.25: the cut at 16 never ran
+    held = MemoryGovernor(1000 * MiB, 64, 64, probe_cuts=(4, 8, 16), hold=True)
+    for step, probed in enumerate((4, 8), start=1):
+        held.after_step(step, line(probed))
+    assert held.micro_batch == 64 and held.predicted_peak(64) == pytest.approx(line(64), rel=1e-6)  # a trial stops
+
+
+def test_the_governor_measures_while_it_probes_and_approaches_and_not_once_settled():
+    """The steps whose peaks go into the fit are the ones a task runs at its widest (raytrm.train.loop.Cut)."""
+    gov = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=256, max_micro_batch=256)
+    line = lambda b: int((400 + 5 * b) * MiB)  # noqa: E731 - the machine's true memory curve
+    measuring = []
+    for step in range(1, 9):
+        measuring.append(gov.measuring)
+        gov.after_step(step, line(gov.micro_batch))
+    # Probes at 4, 8, 16, the approach through 32 and 64 to 100; then settled at 100.
+    assert measuring == [True] * 5 + [False] * 3 and gov.settled
+    held = MemoryGovernor(1000 * MiB, 64, 64, probe_cuts=(16, 32), hold=True)
+    assert held.measuring
+    held.after_step(1, line(16)), held.after_step(2, line(32))
+    assert not held.measuring and held.micro_batch == 64  # a trial's asked cut, measured as drawn
+
+
 def test_points_of_an_earlier_run_start_the_governor_at_its_choice_without_a_probe():
     """A GPU compiles each new cut: a second run of the model starts where the first settled, and keeps adapting."""
     line = lambda b: int((400 + 5 * b) * MiB)  # noqa: E731 - the machine's true memory curve
