@@ -300,7 +300,14 @@ def test_every_backend_has_a_case():
     assert set(CASES) == {(b.op, b.name) for b in registry.backends()}
 
 
-@pytest.mark.parametrize(("op", "name"), list(CASES), ids=[f"{op}-{name}" for op, name in CASES])
+@pytest.mark.parametrize(
+    ("op", "name"),
+    [
+        # Off CUDA a Triton case runs in Triton's CPU interpreter, seconds a kernel: in the full suite, not the loop.
+        pytest.param(op, name, id=f"{op}-{name}", marks=[pytest.mark.slow] if case.runs_on == "triton" else [])
+        for (op, name), case in CASES.items()
+    ],
+)
 def test_a_backend_gives_its_operations_plain_formula(op, name, interpreted):
     case = CASES[(op, name)]
     if why := _why_skipped(case.runs_on):

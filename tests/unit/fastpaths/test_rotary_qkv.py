@@ -103,6 +103,7 @@ def rotated(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int)
 
 
 @interpretable
+@pytest.mark.slow  # Triton's CPU interpreter takes seconds a kernel: in the full suite, not the loop
 def test_the_attention_over_a_rotated_projection_and_the_operators_gradients_in_tritons_interpreter():
     run_interpreted(ROTATED_SCRIPT)
 

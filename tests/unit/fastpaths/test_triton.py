@@ -136,6 +136,7 @@ print("OK")
 
 
 @interpretable
+@pytest.mark.slow  # Triton's CPU interpreter takes seconds a kernel: in the full suite, not the loop
 def test_the_gate_operator_equals_the_plain_formulas_forward_and_backward_in_tritons_interpreter():
     run_interpreted(GATE_SCRIPT)
 
@@ -248,6 +249,7 @@ print("OK")
 
 
 @interpretable
+@pytest.mark.slow  # Triton's CPU interpreter takes seconds a kernel: in the full suite, not the loop
 def test_the_swiglu_down_operator_equals_the_plain_formulas_forward_and_backward_in_tritons_interpreter():
     run_interpreted(SWIGLU_DOWN_SCRIPT)
 
@@ -324,6 +326,7 @@ print("OK")
 
 
 @interpretable
+@pytest.mark.slow  # Triton's CPU interpreter takes seconds a kernel: in the full suite, not the loop
 def test_the_rope_operator_equals_the_plain_rotation_forward_and_backward_in_tritons_interpreter():
     run_interpreted(ROPE_SCRIPT)
 
@@ -447,6 +450,7 @@ print("OK")
 
 
 @interpretable
+@pytest.mark.slow  # Triton's CPU interpreter takes seconds a kernel: in the full suite, not the loop
 def test_the_attention_operator_is_as_close_to_exact_as_the_plain_path_in_tritons_interpreter():
     run_interpreted(ATTENTION_SCRIPT)
 
