@@ -30,9 +30,8 @@ from raytrm.train.run.metrics import read_metrics
 from raytrm.train.run.size_rule import size_rule
 from raytrm.train.run.training import run_training
 from raytrm.train.trainer import Trainer
+from tests.support.resume import assert_same_run
 from tests.unit.families import hf_stand_in
-
-TIMING_FIELDS = {"samples_per_sec", "tokens_per_sec", "rss_mb", "peak_rss_mb", "cpu_percent"}
 
 
 def grads(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -175,10 +174,6 @@ def test_a_cpus_threads_share_a_classifiers_records_by_their_tokens(hf_config):
     assert uneven  # the stand-in's records are of very different lengths: halves by count would wait on the long
 
 
-def _strip(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
-
-
 def test_a_batch_at_its_widest_runs_every_record_at_max_length_with_the_same_gradient(hf_config):
     """The memory governor fits its steps' peaks on batches at their widest: the records padded to model.seq_len
     cost what the longest possible records would, and the padding is masked, so the step learns the same."""
@@ -244,19 +239,8 @@ def test_resume_is_exact_and_a_lora_checkpoint_holds_what_trains(hf_config, tmp_
     run_training(hf_config(task, model, steps=2, eval_interval=2), tmp_path / "split")
     resumed = run_training(hf_config(task, model, steps=4, eval_interval=2), tmp_path / "split", resume=True)
     assert resumed["resumed_from_step"] == 2
-    a = ckpt.latest_good_checkpoint(tmp_path / "straight" / "checkpoints")
-    b = ckpt.latest_good_checkpoint(tmp_path / "split" / "checkpoints")
-    assert a["step"] == b["step"] == 4
-    assert a["model"].keys() == b["model"].keys()
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    for key in a["ema"]["shadow"]:
-        assert torch.equal(a["ema"]["shadow"][key], b["ema"]["shadow"][key]), key
-    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(), strict=True):
-        assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert _strip(read_metrics(tmp_path / "straight" / "metrics.jsonl")) == _strip(
-        read_metrics(tmp_path / "split" / "metrics.jsonl")
-    )
+    a, b = assert_same_run(tmp_path / "straight", tmp_path / "split")
+    assert a["step"] == b["step"] == 4 and a["ema"] is not None
     scores = [k for k in straight if k.startswith("eval_")]
     assert scores and all(straight[k] == resumed[k] for k in scores)
     assert (tmp_path / "split" / "model" / "config.json").exists() and not (

@@ -28,14 +28,13 @@ from raytrm.cli import main
 from raytrm.errors import UserError
 from raytrm.models.trm import TRM
 from raytrm.train import checkpoint as ckpt
-from raytrm.train.run.metrics import read_metrics
 from raytrm.train.run.training import run_training
 from raytrm.tune import objectives
 from raytrm.tune.search import record
 from raytrm.tune.space import build_experiment, load_space
 from raytrm.tune.trial import measure
+from tests.support.resume import without_timings
 
-TIMING_FIELDS = {"samples_per_sec", "rss_mb", "peak_rss_mb", "cpu_percent"}
 STEPS, INTERVAL = 8, 2
 
 # The child trains the config and prints "checkpoint STEP" once each checkpoint is in place. With a stall, it stops
@@ -113,10 +112,6 @@ def _assert_same(a, b, where: str = "state") -> None:
         assert a == b, (where, a, b)
 
 
-def _metrics(run_dir) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in read_metrics(run_dir / "metrics.jsonl")]
-
-
 def _kill(config_file, run_dir, stall: str, nth: int, delay: float, log) -> str:
     """Start the child, kill it at the chosen moment; returns what it last said."""
     child = subprocess.Popen(
@@ -173,7 +168,7 @@ def test_killed_at_any_moment_then_resumed_equals_an_uninterrupted_run(tiny, tmp
     straight, again = _final_state(tmp_path / "straight"), _final_state(run_dir)
     for key in ("model", "optimizer", "sparse_optimizer", "ema", "carry", "rng", "step", "samples_seen", "config"):
         _assert_same(straight[key], again[key], key)
-    assert _metrics(tmp_path / "straight") == _metrics(run_dir)
+    assert without_timings(tmp_path / "straight") == without_timings(run_dir)
 
 
 class _DiskFull:

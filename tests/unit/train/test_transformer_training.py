@@ -15,10 +15,10 @@ from raytrm.train import checkpoint as ckpt
 from raytrm.train.run.metrics import read_metrics
 from raytrm.train.run.training import run_training
 from raytrm.train.trainer import Trainer
+from tests.support.resume import assert_same_run
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "big", "small", "red", "quickly"]
 WORDS += ["slowly", "and", "then"]
-TIMING_FIELDS = {"samples_per_sec", "tokens_per_sec", "rss_mb", "peak_rss_mb", "cpu_percent"}
 
 
 @pytest.fixture(autouse=True)
@@ -104,10 +104,6 @@ def test_accumulation_gives_the_same_gradient(small, task):
         torch.testing.assert_close(a, b, rtol=0, atol=3e-5, msg=key)  # Adam: at most ~lr per step from rounding
 
 
-def _strip(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
-
-
 @pytest.mark.parametrize("task", ["lm", "classify"])
 def test_resume_is_exact(small, tmp_path, task):
     # Dropout draws from torch's generator, so an exact resume also needs its state back.
@@ -116,18 +112,8 @@ def test_resume_is_exact(small, tmp_path, task):
     run_training(small(task, model, steps=3), tmp_path / "split")
     resumed = run_training(small(task, model, steps=6), tmp_path / "split", resume=True)
     assert resumed["resumed_from_step"] == 3
-    a = ckpt.latest_good_checkpoint(tmp_path / "straight" / "checkpoints")
-    b = ckpt.latest_good_checkpoint(tmp_path / "split" / "checkpoints")
-    assert a["step"] == b["step"] == 6 and a["carry"] is None
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    for key in a["ema"]["shadow"]:
-        assert torch.equal(a["ema"]["shadow"][key], b["ema"]["shadow"][key]), key
-    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(), strict=True):
-        assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert _strip(read_metrics(tmp_path / "straight" / "metrics.jsonl")) == _strip(
-        read_metrics(tmp_path / "split" / "metrics.jsonl")
-    )
+    a, b = assert_same_run(tmp_path / "straight", tmp_path / "split")
+    assert a["step"] == b["step"] == 6 and a["carry"] is None and a["ema"] is not None
     scores = [k for k in straight if k.startswith("eval_")]
     assert scores and all(straight[k] == resumed[k] for k in scores)
 
