@@ -9,7 +9,9 @@ label), with corpus.json beside it (the sources, their versions, the counts, the
 documentation does: one-line summaries beside whole pages with parameters and examples.
 
 The same installed versions, per_label and seed give the same file; a directory that already holds the file of
-those settings is reused.
+those settings is reused. A file built elsewhere, of the same settings but other versions, is reused where this
+machine lacks a library it would need to build it again (a GPU machine the corpus was carried to): corpus.json keeps
+the versions it was made from.
 """
 
 from __future__ import annotations
@@ -108,6 +110,16 @@ def build_corpus(
         stored = json.loads(manifest_path.read_text())
         if {k: stored.get(k) for k in recipe} == recipe:
             logger.info("docstring records: %s, built before with these settings", records)
+            return records
+        settings = [k for k in recipe if k != "versions"]
+        missing = [p for packages in sources.values() for p in packages if importlib.util.find_spec(p) is None]
+        if missing and all(stored.get(k) == recipe[k] for k in settings):
+            logger.warning(
+                "docstring records: %s, built elsewhere from %s; reused as they are (%s not installed here)",
+                records,
+                ", ".join(f"{k} {v}" for k, v in stored["versions"].items()),
+                ", ".join(missing),
+            )
             return records
     texts = {label: library_docstrings(packages) for label, packages in sources.items()}
     shared = set()
