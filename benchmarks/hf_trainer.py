@@ -2,9 +2,15 @@
 
 The Trainer is used as its users use it: `Trainer(model, TrainingArguments(...), train_dataset, data_collator=
 DataCollatorWithPadding(tokenizer))`, `trainer.train()`. Its arguments are its defaults but for what the comparison
-fixes: the batch, the CPU, no evaluation, saving, reporting or progress bar, loader workers 0, and raytrm's
-optimizer settings (lr, betas, weight decay, clipping, warm-up); its optimizer is its default (AdamW, fused on a CPU
-with torch >= 2.8) and its sampling is per-batch dynamic padding without length grouping (its default).
+fixes: the batch, the device, the precision, no evaluation, saving, reporting or progress bar, loader workers 0, and
+raytrm's optimizer settings (lr, betas, weight decay, clipping, warm-up); its optimizer is its default (AdamW, fused
+with torch >= 2.8, on a CPU as on CUDA) and its sampling is per-batch dynamic padding without length grouping (its
+default), its loader's pinned memory on CUDA too.
+
+Its precision is raytrm's: the weights are loaded in fp32 on both sides, and where raytrm's forward runs in bf16
+(its default on CUDA) it is autocast over those fp32 weights (raytrm.families.hf.HFTask.autocast), which is what
+`TrainingArguments(bf16=True)` does (accelerate's mixed precision: autocast around the forward, fp32 master weights,
+fp32 optimizer states); fp32 is neither flag.
 
 Its dataset is the records raytrm trains on, with raytrm's tokens (the same tokenizer call, read from raytrm's
 cache), as lists, the form `datasets.map(tokenizer)` gives; the collator pads each batch to its longest record. Its
@@ -12,7 +18,8 @@ sampler draws raytrm's epoch order (raytrm.data.loader.epoch_permutation), so it
 raytrm's step k: a round of the benchmark compares the two on one batch.
 
 `train()` runs in the benchmark's thread, and a callback runs raytrm's step at the end of each of its own
-(`on_step_end`): the two alternate, one step each, in one thread, each at the thread's torch threads.
+(`on_step_end`): the two alternate, one step each, in one thread, each at the thread's torch threads. On a GPU the
+clock is read after the device has finished the work queued before it.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 
 from raytrm import config as cfg
 from raytrm.data.loader import epoch_permutation
+from raytrm.hardware import device as devices
 
 
 class TokenizedList(torch.utils.data.Dataset):
@@ -68,7 +76,15 @@ class EpochOrder(torch.utils.data.Sampler):
 class TrainerReference:
     """A transformers Trainer on raytrm's records whose loop runs another step after each of its own (`alternate`)."""
 
-    def __init__(self, experiment: cfg.ExperimentConfig, records: Any, model_dir: Path, out_dir: Path) -> None:
+    def __init__(
+        self,
+        experiment: cfg.ExperimentConfig,
+        records: Any,
+        model_dir: Path,
+        out_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         from transformers import (
             AutoModelForSequenceClassification,
             AutoTokenizer,
@@ -100,7 +116,8 @@ class TrainerReference:
             max_grad_norm=train.grad_clip or 0.0,
             warmup_steps=train.warmup_steps,
             dataloader_num_workers=0,
-            use_cpu=True,
+            use_cpu=device.type == devices.CPU,
+            **precision(dtype),
             eval_strategy="no",
             save_strategy="no",
             report_to=[],
@@ -121,6 +138,7 @@ class TrainerReference:
             processing_class=self.tokenizer,
         )
         self.trainer.remove_callback(PrinterCallback)  # its summary line at the end of train()
+        self.device = device
 
     def alternate(self, other: Callable[[], object], warmup: int, repeats: int) -> tuple[list[float], list[float]]:
         """`train()` for warmup + repeats steps, `other()` after each of them; returns the seconds of the timed
@@ -128,22 +146,25 @@ class TrainerReference:
 
         A Trainer step is timed from the end of `other()` to the end of its own next step (`on_step_end`): the whole
         of its loop's cycle, the batch gathered and padded, the forward, the backward, clipping, the optimizer, the
-        schedule and its callbacks.
+        schedule and its callbacks. Each clock is read once the device has run what was queued before it.
         """
         from transformers import TrainerCallback
 
         others: list[float] = []
         theirs: list[float] = []
+        device = self.device
 
         class _Alternate(TrainerCallback):
             mark = 0.0
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 timed = state.global_step > warmup
+                devices.synchronize(device)
                 if timed:
                     theirs.append(time.perf_counter() - self.mark)
                 start = time.perf_counter()
                 other()
+                devices.synchronize(device)
                 if timed:
                     others.append(time.perf_counter() - start)
                 self.mark = time.perf_counter()
@@ -156,6 +177,16 @@ class TrainerReference:
         finally:
             self.trainer.remove_callback(callback)
         return others, theirs
+
+
+def precision(dtype: torch.dtype) -> dict[str, bool]:
+    """TrainingArguments' flags for raytrm's forward dtype: autocast to it over fp32 weights, as raytrm runs it."""
+    if dtype == torch.float32:
+        return {}
+    if dtype == torch.bfloat16:
+        return {"bf16": True}
+    # fp16: the Trainer adds a gradient scaler raytrm's step has not; the two would not run the same step.
+    raise ValueError(f"the hf bench compares fp32 or bf16 forwards, not {dtype}")
 
 
 def padded_tokens(model: torch.nn.Module, counts: list[int]) -> Any:
