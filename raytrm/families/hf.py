@@ -115,6 +115,7 @@ class HFTask:
         torch.manual_seed(config.training.seed)  # a new head's (and LoRA's A's) initial weights
         self.pad_id = meta.pad_id
         self.model = build_model(config.model, self.label_names, meta.pad_id).to(device)
+        self.model.compile_regions = compiled_regions(device.type)
         self.lora = is_lora(self.model)
         self._majority: int | None = None
 
@@ -270,6 +271,13 @@ class HFTask:
 
     def load_rng_state(self, state: dict[str, torch.Tensor]) -> None:
         pass
+
+
+def compiled_regions(device_type: str) -> tuple[str, ...]:
+    """What raytrm.train.compile compiles of a transformers model: its whole forward on CUDA (the sequence length
+    turns dynamic at the second length seen, so one graph serves every padded width); nothing elsewhere, since
+    inductor's Metal backend does not serve every model's operations and a CPU gains nothing per FLOP from it."""
+    return ("forward",) if device_type == "cuda" else ()
 
 
 def _require_data(data: cfg.DataConfig) -> None:

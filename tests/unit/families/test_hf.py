@@ -21,11 +21,12 @@ from raytrm import config as cfg
 from raytrm.data.loader import batch_indices
 from raytrm.errors import ConfigError, UserError
 from raytrm.families import family
-from raytrm.families.hf import HFTask
+from raytrm.families.hf import HFTask, compiled_regions
 from raytrm.families.hf_model import MAC_ENVIRONMENT, TOKENIZER_FILES, prepare_environment, save_model_dir
 from raytrm.families.task import macro_f1
 from raytrm.train import checkpoint as ckpt
 from raytrm.train import side_by_side
+from raytrm.train.compile import compile_regions, plan_compile
 from raytrm.train.run.metrics import read_metrics
 from raytrm.train.run.size_rule import size_rule
 from raytrm.train.run.training import run_training
@@ -131,6 +132,36 @@ def test_the_cut_and_the_padding_leave_the_gradient_unchanged(hf_config, task, a
             torch.testing.assert_close(ga[key], gb[key], rtol=1e-4, atol=1e-6 * scale, msg=key)
         whole.optimizer_step()
         parts.optimizer_step()
+
+
+@pytest.mark.parametrize("lora", [None, 4])
+def test_on_cuda_the_whole_forward_is_compiled_and_nowhere_else(hf_config, lora):
+    """The family names the model's forward for CUDA's plan only; through the compiled region (a stand-in compiler
+    here) the model's logits and its gradient path are the eager model's."""
+    assert compiled_regions("cuda") == ("forward",)
+    assert compiled_regions("cpu") == compiled_regions("mps") == ()
+    trainer = Trainer(hf_config("classify", {"lora_rank": lora}, still=True))
+    model = trainer.model
+    assert trainer.compiled == [] and model.compile_regions == ()
+    ids = torch.randint(5, 50, (3, 7))
+    mask = torch.ones_like(ids)
+    expected = model(input_ids=ids, attention_mask=mask).logits
+    calls: list[dict] = []
+
+    def stand_in(fn, **kwargs):
+        def run(*args, **inner):
+            calls.append(inner)
+            return fn(*args, **inner)
+
+        return run
+
+    model.compile_regions = compiled_regions("cuda")
+    assert compile_regions(model, plan_compile("auto", "cuda"), compiler=stand_in) == ["forward"]
+    got = model(input_ids=ids, attention_mask=mask).logits
+    assert len(calls) == 1 and calls[0]["input_ids"] is ids
+    torch.testing.assert_close(got, expected)
+    got.sum().backward()
+    assert any(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 @pytest.mark.skipif(
