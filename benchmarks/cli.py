@@ -316,6 +316,11 @@ def hf_flags(p: argparse.ArgumentParser) -> None:
         "machine (default: the run's temporary directory)",
     )
     p.add_argument("--per-label", type=int, default=500, help="docstrings kept per library")
+    _compile(
+        p,
+        "raytrm's training.compile; default auto, as training (the model's forward compiled on CUDA, eager "
+        "on a CPU); the Trainer's side keeps its default (eager)",
+    )
 
 
 def run_hf(args: argparse.Namespace, work: Path) -> object:
@@ -333,6 +338,7 @@ def run_hf(args: argparse.Namespace, work: Path) -> object:
         args.per_label,
         device=args.device,
         layout=args.model_layout,
+        compile_mode=args.compile or "auto",
     )
     print(hf.format_rows(rows))
     return hf.as_json(rows)

@@ -126,7 +126,13 @@ def require_device(device: str) -> None:
 
 
 def experiment_for(
-    model_dir: Path, records: Path, max_length: int, batch: int, threads: int, device: str = devices.CPU
+    model_dir: Path,
+    records: Path,
+    max_length: int,
+    batch: int,
+    threads: int,
+    device: str = devices.CPU,
+    compile_mode: str = "auto",
 ) -> cfg.ExperimentConfig:
     """The experiment `raytrm train --model hf --model-path DIR --data FILE` resolves, at this row's settings (the
     dtype left to the device: auto)."""
@@ -140,6 +146,7 @@ def experiment_for(
             "micro_batch_size": batch,
             "threads": threads,
             "device": device,
+            "compile": compile_mode,
         },
     }
     experiment, _ = resolve_experiment(
@@ -158,11 +165,12 @@ def measure_row(
     work: Path,
     device: str = devices.CPU,
     name: str | None = None,
+    compile_mode: str = "auto",
 ) -> HFRow:
     """One row: raytrm's Trainer and the transformers Trainer at one max length, timed in alternation."""
     from raytrm.train.trainer import Trainer
 
-    experiment = experiment_for(model_dir, records, max_length, batch, threads, device)
+    experiment = experiment_for(model_dir, records, max_length, batch, threads, device, compile_mode)
     trainer = Trainer(experiment)
     ours_count: list[int] = []
     theirs_count: list[int] = []
@@ -244,6 +252,7 @@ def bench_hf(
     per_label: int = 500,
     device: str = devices.CPU,
     layout: str | None = None,
+    compile_mode: str = "auto",
 ) -> list[HFRow]:
     """A row per max length, on the docstring records built (or reused) in `corpus` (default: under work); with a
     layout, on a model of it built in work over --model's tokenizer."""
@@ -257,7 +266,7 @@ def bench_hf(
     with caches_in(work / "cache"):
         for max_length in max_lengths:
             name = layout or (model_dir.name if model else MODEL_NAME)
-            row = measure_row(model_dir, records, max_length, batch, threads, repeats, work, device, name)
+            row = measure_row(model_dir, records, max_length, batch, threads, repeats, work, device, name, compile_mode)
             logger.info("%s", row)
             rows.append(row)
     return rows
