@@ -100,6 +100,8 @@ def base_dir(root: Path, texts: Sequence[str], layout: Layout = Layout(), seed: 
         return root
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from raytrm.families.hf_model import quietly
+
     tokenizer = _tokenizer(texts, layout.vocab)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -119,8 +121,9 @@ def base_dir(root: Path, texts: Sequence[str], layout: Layout = Layout(), seed: 
     partial = root.with_name(root.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
+    with quietly():  # transformers' progress bars, in the bench's log
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
     (partial / RECIPE_FILE).write_text(json.dumps(recipe, indent=1))
     shutil.rmtree(root, ignore_errors=True)
     partial.rename(root)
