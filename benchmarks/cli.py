@@ -222,16 +222,18 @@ def distributed_flags(p: argparse.ArgumentParser) -> None:
         "--link-models",
         nargs="+",
         default=["trm", "lm"],
-        choices=("trm", "lm"),
-        help="link: TRM mlp_t hidden 256 at global batch 64; the byte-level LM (20.6M parameters)",
+        choices=("trm", "lm", "hflora"),
+        help="link: TRM mlp_t hidden 256 at global batch 64; the byte-level LM (20.6M parameters); hflora, a "
+        "Llama-style causal LM of 110M parameters (random weights, built once into the work dir) with LoRA rank 8, "
+        "whose sync sums its adapters alone (1.2 MB)",
     )
     p.add_argument(
         "--link-steps",
         nargs="+",
         type=int,
         metavar="N",
-        help="link: steps of each run, per model in --link-models order (default 60 for TRM, 20 for the LM); the "
-        "quality is read after them, and a local mode's round should fit several times",
+        help="link: steps of each run, per model in --link-models order (default 60 for TRM, 20 for the LM and "
+        "hflora); the quality is read after them, and a local mode's round should fit several times",
     )
     p.add_argument(
         "--link-rounds", type=int, default=1, help="link: runs of every configuration, rates alternated; medians"

@@ -2,9 +2,10 @@
 
 The hosts are tests.support.hosts' namespace pair (root, Linux): `raytrm cluster head` on host a, `raytrm cluster join`
 on host b, then `raytrm train --address auto` on a, which trains one worker on each host. For each link rate (tc tbf
-on both ends), each model (benchmarks.link_models: TRM, and a byte-level LM whose gradients weigh most) and each
-sync mode, one run of a fixed number of steps gives samples/s, the sync share of a step and the quality after the
-run's samples (benchmarks.link_runs says how each is read).
+on both ends), each model (benchmarks.link_models: TRM, a byte-level LM whose gradients weigh most, and a 110M causal
+LM with LoRA, whose sync sums its adapters alone) and each sync mode, one run of a fixed number of steps gives
+samples/s, the sync share of a step and the quality after the run's samples (benchmarks.link_runs says how each is
+read).
 
 Every configuration runs once per round (--link-rounds), the rates in alternating order; each figure is the median
 over rounds, and each row's ratio is against the unshaped link with exact sync. The link's measured TCP rate and the
@@ -21,7 +22,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.link_models import QUALITY, LinkModel, default_modes, lm_model, mode_settings, parameters, trm_model
+from benchmarks.link_models import (
+    QUALITY,
+    LinkModel,
+    default_modes,
+    hflora_model,
+    lm_model,
+    mode_settings,
+    sizes,
+    trm_model,
+)
 from benchmarks.link_runs import LinkRow, LinkRun, format_rows, read_run, rows_of, run_line
 from raytrm import config as cfg
 from raytrm.errors import UserError
@@ -138,7 +148,7 @@ def bench_link(models: list[LinkModel], rates: list[str], modes: list[str], roun
         {
             "name": m.name,
             "description": m.description,
-            "parameters": parameters(m, work_dir),
+            **sizes(m, work_dir),
             "steps": m.steps,
             "global_batch": m.global_batch,
             "samples": m.steps * m.global_batch,
@@ -165,7 +175,7 @@ def run(
     modes."""
     refuse_unless_possible()
     steps = steps or []
-    builders = {"trm": trm_model, "lm": lm_model}
+    builders = {"trm": trm_model, "lm": lm_model, "hflora": hflora_model}
     models = []
     for k, name in enumerate(names):
         sized = {"steps": steps[min(k, len(steps) - 1)]} if steps else {}

@@ -1,9 +1,11 @@
-"""What `python -m benchmarks distributed --parts link` trains: its two models, and the training fields of each
+"""What `python -m benchmarks distributed --parts link` trains: its three models, and the training fields of each
 sync mode.
 
 TRM is `raytrm train`'s default (mlp_t on generated Sudoku) at hidden 256 and global batch 64; the LM is a byte-level
-transformer of 20.6M parameters (hidden 512, 6 layers), whose gradients weigh most. Each run trains a fixed number
-of steps, a metrics row each step, and is evaluated once at the end: its quality at that many samples.
+transformer of 20.6M parameters (hidden 512, 6 layers), whose gradients weigh most; hflora is the hf family's
+causal LM of 110M parameters (random weights, benchmarks.link_lora) with LoRA, where only the adapters train, so a
+sync sums about 1% of the model's bytes. Each run trains a fixed number of steps, a metrics row each step, and is
+evaluated once at the end: its quality at that many samples.
 """
 
 from __future__ import annotations
@@ -12,24 +14,34 @@ import copy
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raytrm import config as cfg
 from raytrm.errors import UserError
+
+if TYPE_CHECKING:
+    from benchmarks.link_lora import Layout
 
 #: The modes of training.sync_mode; "local:H" is local with training.sync_every H.
 SYNC_MODES = ("exact", "compressed", "local", "auto")
 BASELINE_MODE = "exact"  # every row's ratio is to this mode on the unshaped link
 #: The summary.json field read as each model's quality, and its name in the table.
-QUALITY = {"trm": ("eval_cell_acc", "cell acc"), "lm": ("eval_bits_per_byte", "bits/byte")}
+QUALITY = {
+    "trm": ("eval_cell_acc", "cell acc"),
+    "lm": ("eval_bits_per_byte", "bits/byte"),
+    "hflora": ("eval_loss", "loss"),
+}
 LM_CORPUS_BYTES = 512 * 2**10  # its held-out 5% keeps the LM's final evaluation to ~100 windows on a CPU
+#: hflora's held-out share of the docstrings: the last 1% (about 30 of them), so that its final evaluation, a
+#: forward of the 110M model over each held-out window on one core, stays short.
+HFLORA_HELD_SHARE = 0.01
 
 
 @dataclass(frozen=True)
 class LinkModel:
     """One model the pair trains at every rate and in every mode."""
 
-    name: str  # "trm" or "lm"
+    name: str  # a key of QUALITY
     experiment: dict[str, Any]  # its model, data and training sections, as a config file holds them
     warmup: int  # the first steps, left out of the timing
     description: str
@@ -92,6 +104,40 @@ def lm_model(
     return LinkModel("lm", experiment, _warmup(steps), text)
 
 
+def hflora_model(
+    work_dir: Path,
+    steps: int = 20,
+    seq_len: int = 128,
+    batch: int = 8,
+    rank: int = 8,
+    lr: float = 1e-3,
+    layout: Layout | None = None,
+) -> LinkModel:
+    """The hf family's causal LM of `layout` (110M parameters by default, random weights; benchmarks.link_lora) with
+    LoRA of `rank` on the family's default targets (peft's for Llama: q_proj and v_proj), trained as language-model
+    records on benchmarks.hf_corpus' docstrings; base directory and text built into work_dir once. A step of this
+    batch is a few seconds on one core a worker; the sync sums the adapters only. With random base weights the lr
+    is a from-scratch one, not fine-tuning's."""
+    from benchmarks.hf_corpus import build_corpus
+    from benchmarks.link_lora import Layout, base_dir, record_texts
+    from raytrm.families.hf import EMBEDDED_DEFAULT
+
+    layout = layout or Layout()
+    records = build_corpus(work_dir / "docstrings")
+    base = base_dir(work_dir / "hflora-base", record_texts(records), layout)
+    model = {"name": "hf", "task": "lm", "path": str(base), "seq_len": seq_len}
+    lora = {"lora_rank": rank, "lora_alpha": 2.0 * rank, "lora_merge": False}  # the run keeps its adapters alone
+    training = {**EMBEDDED_DEFAULT["training"], "global_batch_size": batch, "lr": lr, "warmup_steps": 2}
+    experiment = {
+        "model": {**model, **lora},
+        "data": {"name": "records", "path": str(records), "validation_share": HFLORA_HELD_SHARE},
+        "training": {**training, **_run_settings(steps)},
+    }
+    size = f"{layout.layers} layers of hidden {layout.hidden}"
+    text = f"Llama-style LM ({size}, random weights) with LoRA rank {rank}, seq {seq_len}, global batch {batch}"
+    return LinkModel("hflora", experiment, _warmup(steps), text)
+
+
 def stdlib_corpus(path: Path, size: int = LM_CORPUS_BYTES) -> Path:
     """The first `size` bytes of this Python's top-level standard library modules, in name order."""
     if not path.exists():
@@ -106,8 +152,10 @@ def stdlib_corpus(path: Path, size: int = LM_CORPUS_BYTES) -> Path:
     return path
 
 
-def parameters(model: LinkModel, work_dir: Path) -> int:
-    """The model's parameter count, from a Trainer built here on the CPU."""
+def sizes(model: LinkModel, work_dir: Path) -> dict[str, int]:
+    """The model's parameters, trainable parameters and the bytes a sync sums (benchmarks.link_lora.model_sizes),
+    from a Trainer built here on the CPU."""
+    from benchmarks.link_lora import model_sizes
     from benchmarks.transformer import caches_in
     from raytrm.train.trainer import Trainer
 
@@ -116,7 +164,7 @@ def parameters(model: LinkModel, work_dir: Path) -> int:
     with caches_in(work_dir / "cache"):
         trainer = Trainer(cfg.from_dict(cfg.ExperimentConfig, experiment, f"the {model.name} link model"))
     try:
-        return trainer.model.num_parameters()
+        return model_sizes(trainer.model)
     finally:
         trainer.close()
 

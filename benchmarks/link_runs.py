@@ -4,7 +4,8 @@ model's unshaped exact row.
 A run's samples/s is taken over its steps after the first ones (start-up, the memory governor's probes) as total
 samples over total seconds, so a mode whose rounds sync every H steps is timed over whole rounds, not by its median
 step. Its sync share is summary.json's where the summary records one, else the workers' rows' (the slowest worker's
-sync over its step, as `raytrm report` reads it).
+sync over its step, as `raytrm report` reads it). The mode the run ended in, why it was chosen and the megabytes a
+sync sums are the summary's (its last sync-choice).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class LinkRun:
     sync_share_from: str = ""  # "summary" or "worker rows"
     quality: float | None = None
     chosen: str = ""  # the sync mode (and H) summary.json records, where it records one
+    reason: str = ""  # why the run's last sync choice was made, as summary.json gives it
+    sync_mb: float | None = None  # the megabytes of gradient (or of a round's deltas) one sync sums
     workers: int | None = None
     timed_steps: int = 0
     error: str = ""
@@ -54,12 +57,15 @@ def read_run(run_dir: Path, model: LinkModel) -> dict[str, Any]:
         chosen += f" H={summary['sync_every']}"
     if chosen and summary.get("sync_overlap"):
         chosen += f" behind {summary['sync_overlap']}"
+    choices = summary.get("sync_choices") or [{}]
     return {
         "samples_per_sec": model.global_batch * len(timed) / sum(seconds),
         "sync_share": share,
         "sync_share_from": source if share is not None else "",
         "quality": summary.get(QUALITY[model.name][0]),
         "chosen": chosen,
+        "reason": summary.get("sync_reason") or "",
+        "sync_mb": choices[-1].get("model_mb"),
         "workers": summary.get("workers", 1),
         "timed_steps": len(timed),
     }
@@ -93,9 +99,12 @@ def run_line(run: LinkRun) -> str:
     if run.error:
         return f"{where}: FAILED: {run.error.splitlines()[0]}"
     share = f"{run.sync_share:.3f}" if run.sync_share is not None else "-"
-    return (
+    line = (
         f"{where}: {run.samples_per_sec:.2f} samples/s, sync share {share}, quality {run.quality} (load {run.load:.1f})"
     )
+    if run.chosen and run.mode in ("auto", "local"):  # modes the run chose itself (local without H): what and why
+        line += f"; chose {run.chosen}: {run.reason}"
+    return line
 
 
 @dataclass
@@ -162,12 +171,13 @@ def rows_of(runs: list[LinkRun]) -> list[LinkRow]:
 
 def format_rows(rows: list[LinkRow], models: list[dict[str, Any]]) -> str:
     lines = [
-        f"{m['name']}: {m['description']}, {m['parameters']:,} parameters, {m['steps']} steps ({m['samples']:,} "
-        f"samples), timed after step {m['warmup']}"
+        f"{m['name']}: {m['description']}, {_sizes(m)}, {m['steps']} steps ({m['samples']:,} samples), timed after "
+        f"step {m['warmup']}"
         for m in models
     ]
+    width = max([5, *(len(r.model) for r in rows)])
     lines.append(
-        f"{'model':<5} {'link':<9} {'mode':<11} {'samples/s':>9} {'ratio':>6} {'sync':>6} {'quality':>17} "
+        f"{'model':<{width}} {'link':<9} {'mode':<11} {'samples/s':>9} {'ratio':>6} {'sync':>6} {'quality':>17} "
         f"{'delta':>7} {'link Mbit/s':>11} {'load':>5}  runs"
     )
     for r in rows:
@@ -183,6 +193,17 @@ def format_rows(rows: list[LinkRow], models: list[dict[str, Any]]) -> str:
         note = f"{r.runs}" + (f", {r.failed} failed" if r.failed else "")
         if r.chosen:
             note += f"; chose {', '.join(r.chosen)}"
-        where = f"{r.model:<5} {r.rate:<9} {r.mode:<11}"
+        where = f"{r.model:<{width}} {r.rate:<9} {r.mode:<11}"
         lines.append(f"{where} {' '.join(cells)} {r.link_mbit:>11.1f} {r.load:>5.1f}  {note}")
     return "\n".join(lines)
+
+
+def _sizes(model: dict[str, Any]) -> str:
+    """The model's parameters, those that train where fewer, and the megabytes a sync sums."""
+    text = f"{model['parameters']:,} parameters"
+    trainable = model.get("trainable")
+    if trainable is not None and trainable != model["parameters"]:
+        text += f" ({trainable:,} trainable)"
+    if model.get("sync_bytes") is not None:
+        text += f", {model['sync_bytes'] / 1e6:.2f} MB summed a sync"
+    return text
