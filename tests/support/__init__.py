@@ -1,2 +1,2 @@
-"""What the tests share, and the benchmarks borrow, that no user command needs: the two-host rig (hosts) and the
+"""What the tests share, and the benchmarks borrow, that no user command needs: the rig of real hosts (hosts) and the
 data-parallel exactness check (equivalence)."""
