@@ -401,24 +401,42 @@ def cmd_cluster(args: argparse.Namespace) -> int:
             args.dashboard_host,
             args.object_store_mb,
             args.autoscaling_config,
+            args.paths_port,
         )
         ip, token = done["address"].rpartition(":")[0], done["token_file"]
         print(f"head of tier {done['tier']} at {done['address']} (memory budget {done['memory_budget_mb']} MiB)")
+        print(f"path service on port {done['paths_port']}, every interface: `join` measures each path to this Mac")
         print(f"token: {token} (mode 0600{', new' if done['token_created'] else ''}); on each other Mac:")
         print(f"  scp {ip}:.ray/auth_token ~/.ray/auth_token && chmod 600 ~/.ray/auth_token")
-        print(f"  raytrm cluster join {done['address']}")
+        own_port = "" if args.paths_port is None else f" --paths-port {done['paths_port']}"
+        print(f"  raytrm cluster join {done['address']}{own_port}")
         where = "from any Mac with the token" if done["dashboard_on_lan"] else "here"
         print(f"jobs, submitted {where}: {job_command(done['dashboard'])}")
         return cluster.block() if args.block else 0
     elif args.action == "join":
-        done = cluster.join(args.head, args.node_ip, args.tier, args.token_file, args.object_store_mb)
+        done = cluster.join(args.head, args.node_ip, args.tier, args.token_file, args.object_store_mb, args.paths_port)
+        _print_paths(done)
         print(f"joined {done['head']} as a node of tier {done['tier']} at {done['address']}")
         return cluster.block() if args.block else 0
+    elif args.action == "paths":
+        _print_paths(cluster.measure(args.head, args.token_file, args.paths_port))
     elif args.action == "status":
         print(cluster.format_status(cluster.status(args.address, args.token_file, link=args.link)))
     else:
         print(cluster.stop())
     return 0
+
+
+def _print_paths(done: dict) -> None:
+    """The paths to the head as measured, and the one the gradient sync takes."""
+    from raytrm.distributed.paths import table
+
+    print(f"paths to the head {done['head'].rpartition(':')[0]}, measured from this Mac:")
+    print(table(done["paths"], done["chosen"]))
+    if done.get("path") and done["chosen"] is None:
+        print(f"the gradient sync takes the path of --node-ip {done['path']}, as given")
+    elif done["chosen"] is not None:
+        print(f"the gradient sync takes the fastest: {done['chosen'].interface} {done['chosen'].local}")
 
 
 #: argparse's words for a value its type refused, and how raytrm says what was expected.
@@ -645,14 +663,19 @@ def _add_evaluate(sub: Any) -> None:
 
 def _add_cluster(sub: Any) -> None:
     """`raytrm cluster`'s arguments."""
-    p = sub.add_parser("cluster", help="make this Mac a node of a raytrm cluster: head, join, status, stop")
+    p = sub.add_parser("cluster", help="make this Mac a node of a raytrm cluster: head, join, paths, status, stop")
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     actions.required = True
     for name, text in (
         ("head", "start the cluster here: Ray's head with this Mac's tier, its LAN address and a token (0600)"),
-        ("join", "join a head with its token, as a node of this Mac's tier"),
+        ("join", "join a head with its token, as a node of this Mac's tier, by the fastest path to it"),
     ):
         a = actions.add_parser(name, help=text)
+        a.add_argument(
+            "--paths-port",
+            type=port_number,
+            help="the head's path service, which measures the paths between the Macs (default: Ray's port + 1)",
+        )
         if name == "join":
             a.add_argument("head", metavar="HEAD[:PORT]", help="the head's address, as `raytrm cluster head` printed")
         else:
@@ -674,6 +697,10 @@ def _add_cluster(sub: Any) -> None:
             action="store_true",
             help="stay in the foreground while the node runs (for launchd); SIGTERM stops the node",
         )
+    a = actions.add_parser("paths", help="measure each path to the head (rate, latency) and show the fastest")
+    a.add_argument("head", metavar="HEAD[:PORT]", help="the head's address, as `raytrm cluster head` printed")
+    a.add_argument("--paths-port", type=port_number, help="the head's path service (default: Ray's port + 1)")
+    a.add_argument("--token-file", metavar="FILE", help="the cluster token (default: ~/.ray/auth_token)")
     a = actions.add_parser("status", help="the cluster's nodes, tiers, memory budgets and jobs")
     a.add_argument("--address", help="HEAD:PORT (default: the cluster this Mac is a node of)")
     a.add_argument("--token-file", metavar="FILE", help="the cluster token (default: ~/.ray/auth_token)")

@@ -1,7 +1,9 @@
-"""`raytrm cluster head | join | status | stop`: one command per Mac makes a cluster that raytrm understands.
+"""`raytrm cluster head | join | paths | status | stop`: one command per Mac makes a cluster that raytrm understands.
 
 Each prints what it did and what to do next; every failure (no token, an unreachable head, versions that differ,
-a token the head refuses) is one line and exit code 2, and a node that cannot join properly is stopped again.
+a token the head refuses, no path that answers) is one line and exit code 2, and a node that cannot join properly
+is stopped again. The head runs a path service beside Ray (raytrm.distributed.path_service), through which `join`
+measures every path to the head and records the fastest for the gradient sync (raytrm.distributed.gloo_path).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from raytrm.distributed import node as nodes
-from raytrm.distributed import tokens
+from raytrm.distributed import path_service, paths, tokens
 from raytrm.distributed.cluster import check_address, ray_node_here
-from raytrm.distributed.reach import check_head, port_taken
+from raytrm.distributed.reach import check_head, ipv4_of, port_taken
 from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -50,13 +52,17 @@ def head(
     dashboard_host: str = "127.0.0.1",
     object_store_mb: int | None = None,
     autoscaling_config: str | None = None,
+    paths_port: int | None = None,
 ) -> dict[str, Any]:
-    """Start this Mac as the cluster's head; returns what was started (also printed by the CLI).
+    """Start this Mac as the cluster's head, and its path service; returns what was started (also printed by the
+    CLI).
 
     autoscaling_config: the file `ray up` writes on the head, whose autoscaler then starts the workers over SSH.
+    paths_port: the path service's port (default: port + 1).
     """
     if nodes.port_number(str(port)) is None:
         raise UserError(f"--port {port}: expected a port from 1 to 65535, e.g. {nodes.DEFAULT_PORT}")
+    paths_port = _paths_port(port, paths_port)
     if dashboard_host not in ANY_HOST + LOOPBACK and nodes.interface_of(dashboard_host) is None:
         raise UserError(
             f"--dashboard-host {nodes.shown(dashboard_host)}: not an address of this Mac; give 127.0.0.1 (this Mac "
@@ -69,15 +75,28 @@ def head(
             f"--port {port}: the head cannot listen there ({taken}); stop what uses it (`lsof -i :{port}` names "
             "it; `raytrm cluster stop` if it is a Ray node), or give another --port"
         )
+    path_service.stop()  # no head runs here (its port is free): a path service left running is a stale one
+    taken = port_taken(spec.node_ip, paths_port)
+    if taken:
+        raise UserError(
+            f"--paths-port {paths_port}: the head's path service cannot listen there ({taken}); stop what uses it "
+            f"(`lsof -i :{paths_port}` names it), or give another --paths-port"
+        )
     token = _token_path(token_file)
     created = tokens.ensure_token(token)
     argv = nodes.start_command(spec, None, port, dashboard_host, object_store_mb)
     if autoscaling_config:
         argv.append(f"--autoscaling-config={Path(autoscaling_config).expanduser()}")
     nodes.run_ray(argv, _environment(token, spec), "ray start --head")
+    try:
+        path_service.start(paths_port, token, f"{spec.node_ip}:{port}")
+    except BaseException:
+        stop()
+        raise
     return {
         "role": "head",
         "address": f"{spec.node_ip}:{port}",
+        "paths_port": paths_port,
         "tier": spec.tier,
         "memory_budget_mb": spec.memory_budget_mb,
         "token_file": str(token),
@@ -94,13 +113,23 @@ def join(
     tier: str | None = None,
     token_file: str | None = None,
     object_store_mb: int | None = None,
+    paths_port: int | None = None,
 ) -> dict[str, Any]:
-    """Join the head at HEAD[:PORT] with its token; stopped again if its versions differ from the head's."""
+    """Join the head at HEAD[:PORT] with its token, the paths to it measured and the fastest recorded for the
+    gradient sync (node_ip, where given, names the path instead); stopped again if its versions differ from the
+    head's."""
     host, port = nodes.split_address(address)
+    paths_port = _paths_port(port, paths_port)
+    if node_ip is not None:
+        nodes.lan_address(node_ip)  # a wrong --node-ip is refused before the network is asked anything
     token = _token_path(token_file)
-    tokens.read_token(token, head=host)
+    secret = tokens.read_token(token, head=host)
     check_head(host, port, f"{host}:{port}", tokens.ray_environment(token))
-    spec = nodes.this_node(node_ip, tier)
+    head_ip = ipv4_of(host)
+    measured = find_paths(head_ip, paths_port, secret, token)
+    chosen = paths.choose(measured)
+    spec = nodes.this_node(node_ip, tier, head_ip)
+    spec.path = node_ip or (chosen.local if chosen else None)
     env = _environment(token, spec)
     nodes.run_ray(nodes.start_command(spec, f"{host}:{port}", object_store_mb=object_store_mb), env, "ray start")
     try:
@@ -112,7 +141,76 @@ def join(
     if problem:
         stop()
         raise UserError(problem)
-    return {"role": "worker", "head": f"{host}:{port}", "address": spec.node_ip, "tier": spec.tier}
+    return {
+        "role": "worker",
+        "head": f"{host}:{port}",
+        "address": spec.node_ip,
+        "tier": spec.tier,
+        "paths": measured,
+        "chosen": None if node_ip else chosen,
+        "path": spec.path,
+    }
+
+
+def _paths_port(port: int, explicit: int | None) -> int:
+    found = port + paths.PORT_OFFSET if explicit is None else explicit
+    if nodes.port_number(str(found)) is None:
+        raise UserError(
+            f"--paths-port {found}: expected a port from 1 to 65535 (the path service's, Ray's port + "
+            f"{paths.PORT_OFFSET} unless given)"
+        )
+    return found
+
+
+def find_paths(head_ip: str, port: int, secret: str, token: Path) -> list[paths.Measured]:
+    """Every path to the head, measured through its path service at head_ip:port: one line where the service does
+    not answer there, or no path could be measured."""
+    where = f"{head_ip}:{port}"
+    try:
+        conn = paths.open_service(head_ip, port, secret)
+        try:
+            listed = paths.ask_addresses(conn)
+        finally:
+            conn.close()
+    except paths.PathProblem as e:
+        raise UserError(_service_problem(where, e, token)) from None
+    if head_ip not in {i.ip for i in listed}:
+        listed.append(paths.Interface("", head_ip, 32))  # the address given reached it: a path too
+    measured = paths.measure_paths(listed, port, secret)
+    if paths.choose(measured) is None:
+        named = "; ".join(f"{m.remote}: {m.problem}" for m in measured)
+        raise UserError(f"{where}: no path to the head could be measured ({named}); check the links and join again")
+    return measured
+
+
+def _service_problem(where: str, problem: paths.PathProblem, token: Path) -> str:
+    if problem.kind == "unreachable":
+        return (
+            f"{where}: the head's path service does not answer ({problem}): the head runs an older raytrm, or its "
+            "path service listens on another port; restart the head with this raytrm (`raytrm cluster stop && "
+            "raytrm cluster head`), or give its --paths-port"
+        )
+    if problem.kind == "refused":
+        return (
+            f"the path service at {where} refused the cluster token at {token}: it is not the head's; copy the head's"
+        )
+    if problem.kind == "not_service":
+        return (
+            f"{where}: something answers there, but not as raytrm's path service ({problem}); give the port "
+            f"`raytrm cluster head` printed for it with --paths-port (Ray's port + {paths.PORT_OFFSET} unless given)"
+        )
+    return f"{where}: the head's path service broke off ({problem}); join again"
+
+
+def measure(address: str, token_file: str | None = None, paths_port: int | None = None) -> dict[str, Any]:
+    """`raytrm cluster paths HEAD[:PORT]`: the paths to the head measured, and the one `join` would choose; joins
+    nothing."""
+    host, port = nodes.split_address(address)
+    paths_port = _paths_port(port, paths_port)
+    token = _token_path(token_file)
+    secret = tokens.read_token(token, head=host)
+    measured = find_paths(ipv4_of(host), paths_port, secret, token)
+    return {"head": f"{host}:{port}", "paths": measured, "chosen": paths.choose(measured)}
 
 
 @contextlib.contextmanager
@@ -145,10 +243,14 @@ def _head_labels(address: str, env: dict[str, str]) -> dict[str, str]:
 
 
 def stop() -> str:
-    """Stop this Mac's Ray node (its raylet, and the head's services on the head)."""
+    """Stop this Mac's Ray node (its raylet, and the head's services and path service on the head)."""
+    service = path_service.stop()
     argv = [sys.executable, "-m", "ray.scripts.scripts", "stop"]
     out = nodes.run_ray(argv, {}, "ray stop")
-    return "stopped this Mac's Ray node" if "Stopped" in out or "stopped" in out else "no Ray node was running here"
+    stopped = "Stopped" in out or "stopped" in out
+    if not stopped:
+        return "no Ray node was running here" + ("; stopped a path service left running" if service else "")
+    return "stopped this Mac's Ray node" + (" and its path service" if service else "")
 
 
 def block(poll_s: float = 5.0, running: Callable[[], bool] = ray_node_here) -> int:
@@ -212,6 +314,7 @@ def status(address: str | None = None, token_file: str | None = None, link: bool
                     else None,
                     "busy": bool(res.get(nodes.RESOURCE_MACHINE)) and not node_free.get(nodes.RESOURCE_MACHINE),
                     "versions": {k: labels.get(f"{nodes.LABEL_PREFIX}{k}") for k in nodes.VERSION_KEYS},
+                    "path": labels.get(nodes.PATH_LABEL),
                 }
             )
         report = {"nodes": rows, "jobs": _jobs()}
@@ -260,6 +363,7 @@ def format_status(report: dict[str, Any]) -> str:
         lines.append(
             f"{n['address']:<16} {n['tier'] or '(not raytrm)':<22} {'head' if n['head'] else 'worker':<6} "
             f"{n['cpus']:>4.0f} {n['memory_gb']:>6.1f} GiB {budget:>11}  {state}"
+            + (f"  (joined by the path of {n['path']})" if n.get("path") else "")
         )
     versions = {tuple(sorted(n["versions"].items())) for n in report["nodes"] if n["alive"] and n["tier"]}
     if len(versions) == 1:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from raytrm import config as cfg
+from raytrm.distributed.gloo_path import NodeNet, node_here, plan
+from raytrm.distributed.paths import Interface
 from raytrm.distributed.ray_train import Node, raytrm_nodes
 from raytrm.errors import UserError
 from raytrm.sync.link import TARGET_SHARE, Link, choose, fewest_steps, measure_link
@@ -39,27 +41,46 @@ def model_bytes(experiment: dict[str, Any]) -> int:
         trainer.close()
 
 
-def probe(rank: int, world_size: int, address: str, port: int, nbytes: int) -> dict[str, float]:
-    """One machine's part: join the group at address:port, time the sums, leave; returns the fitted link."""
+def probe(
+    rank: int, world_size: int, address: str, port: int, nbytes: int, interface: str | None = None
+) -> dict[str, Any]:
+    """One machine's part: join the group at address:port (gloo bound to interface, where given), time the sums,
+    leave; returns the fitted link and the interface the sums went through."""
+    import os
+
     import torch.distributed as dist
 
+    from raytrm.distributed.gloo_path import bind
+    from raytrm.distributed.node import GLOO_IFNAME_ENV
     from raytrm.hardware import device as devices
     from raytrm.sync.process_group import ProcessGroupSync
 
     cpu = torch.device(devices.CPU)
-    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size)
+    previous = bind(interface)  # a task's process serves later tasks: its environment is put back below
     try:
-        link, seconds = measure_link(ProcessGroupSync(cpu), cpu, nbytes, budget_s=1.0)
+        used = os.environ.get(GLOO_IFNAME_ENV)
+        dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size)
+        try:
+            link, seconds = measure_link(ProcessGroupSync(cpu), cpu, nbytes, budget_s=1.0)
+        finally:
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
-    return {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s, "probe_s": seconds}
+        if previous is None:
+            os.environ.pop(GLOO_IFNAME_ENV, None)
+        else:
+            os.environ[GLOO_IFNAME_ENV] = previous
+    return {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s, "probe_s": seconds, "interface": used}
 
 
 def measure_cluster_link(
-    nbytes: int, nodes: Sequence[Node] | None = None, timeout_s: float | None = None
+    nbytes: int,
+    nodes: Sequence[Node] | None = None,
+    timeout_s: float | None = None,
+    interfaces: list[str | None] | None = None,
 ) -> Link | None:
-    """The link between the cluster's raytrm machines (Ray connected); None with fewer than two. timeout_s: Ray's
-    GetTimeoutError past it (default: wait)."""
+    """The link between the cluster's raytrm machines (Ray connected), through the interfaces a run's gradient sync
+    binds (gloo_path); None with fewer than two. timeout_s: Ray's GetTimeoutError past it (default: wait).
+    interfaces: filled with each machine's interface, where given."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -74,11 +95,23 @@ def measure_cluster_link(
         return ray.remote(num_cpus=0)(fn).options(scheduling_strategy=strategy)
 
     port = ray.get(on(nodes[0], free_port).remote(), timeout=timeout_s)
+    found_nets = [NodeNet.from_dict(d) for d in ray.get([on(n, node_here).remote() for n in nodes], timeout=timeout_s)]
+    chosen = plan(found_nets) or {}
     address, count = nodes[0].address, len(nodes)
-    probes = [on(node, probe).remote(rank, count, address, port, nbytes) for rank, node in enumerate(nodes)]
-    found = ray.get(probes, timeout=timeout_s)[0]
+    probes = [
+        on(node, probe).remote(rank, count, address, port, nbytes, _name(chosen.get(net.node_id)))
+        for rank, (node, net) in enumerate(zip(nodes, found_nets, strict=True))
+    ]
+    results = ray.get(probes, timeout=timeout_s)
+    found = results[0]
     logger.info("the link between %d machines, probed in %.1f s", len(nodes), found["probe_s"])
+    if interfaces is not None:
+        interfaces.extend(r["interface"] for r in results)
     return Link(found["latency_s"], found["bytes_per_s"])
+
+
+def _name(interface: Interface | None) -> str | None:
+    return None if interface is None else interface.name
 
 
 def link_status(nbytes: int = STATUS_PROBE_BYTES, timeout_s: float = STATUS_PROBE_TIMEOUT_S) -> dict[str, Any]:
@@ -87,15 +120,17 @@ def link_status(nbytes: int = STATUS_PROBE_BYTES, timeout_s: float = STATUS_PROB
     from ray.exceptions import GetTimeoutError
 
     nodes = raytrm_nodes()
+    used: list[str | None] = []
     try:
-        found = measure_cluster_link(nbytes, nodes, timeout_s)
+        found = measure_cluster_link(nbytes, nodes, timeout_s, used)
     except GetTimeoutError:
         raise UserError(
             f"the link probe between the {len(nodes)} raytrm machines got no answer in {timeout_s:.0f} s: each Mac "
             "must accept connections from the others on any port (the firewall: cluster/README.md); allow them and "
             "run `raytrm cluster status --link` again"
         ) from None
-    return {"machines": len(nodes), **(found.to_dict() if found else {})}
+    named = {n.address: i for n, i in zip(nodes, used, strict=False) if i}
+    return {"machines": len(nodes), **(found.to_dict() if found else {}), **({"interfaces": named} if named else {})}
 
 
 def describe_link_status(found: dict[str, Any]) -> str:
@@ -103,7 +138,9 @@ def describe_link_status(found: dict[str, Any]) -> str:
     if "mbit_s" not in found:
         return f"link: {found['machines']} raytrm machine(s), nothing to measure (a sum needs two)"
     link = Link(found["latency_ms"] / 1e3, found["mbit_s"] * 1e6 / 8)
-    return f"link between the {found['machines']} raytrm machines: {link.describe()} (gloo, as training sums)"
+    through = ", ".join(f"{address} {name}" for address, name in sorted(found.get("interfaces", {}).items()))
+    where = f"gloo through {through}" if through else "gloo"
+    return f"link between the {found['machines']} raytrm machines: {link.describe()} ({where}, as training sums)"
 
 
 def choose_for_cluster(

@@ -28,15 +28,19 @@ GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # torch's gloo: the interface its socket
 #: Node label keys (Kubernetes syntax, as Ray requires): the tier, the memory budget and the versions `join` checks.
 LABEL_PREFIX = "raytrm/"
 VERSION_KEYS = ("python", "ray", "torch", "raytrm")
+#: The label of a node that joined: its address on the path to the head that `join` measured fastest, where the
+#: gradient sync goes (raytrm.distributed.gloo_path).
+PATH_LABEL = f"{LABEL_PREFIX}path"
 # Ray caps a Mac's object store at 2 GiB; raytrm moves checkpoints and results through it, never datasets, so a
 # small store leaves the memory to the training budget.
 OBJECT_STORE_MIN, OBJECT_STORE_MAX, OBJECT_STORE_FRACTION = 512 * 2**20, 2 * 2**30, 0.05
 PORT_RANGE = (1, 65535)
 
 
-def lan_address(explicit: str | None = None) -> str:
-    """The IPv4 address other Macs reach this one at: --node-ip, else the interface of the default route, else the
-    first non-loopback address that is up (a Thunderbolt bridge or a LAN without a router)."""
+def lan_address(explicit: str | None = None, toward: str | None = None) -> str:
+    """The IPv4 address other Macs reach this one at: --node-ip, else the one this Mac sends from to toward (the
+    head), else the interface of the default route, else the first non-loopback address that is up (a Thunderbolt
+    bridge or a LAN without a router)."""
     if explicit is not None:
         if not re.fullmatch(r"[0-9]{1,3}(\.[0-9]{1,3}){3}", explicit) or not _is_ipv4(explicit):
             raise UserError(f"--node-ip {shown(explicit)}: not an IPv4 address; give this Mac's LAN address")
@@ -49,7 +53,7 @@ def lan_address(explicit: str | None = None) -> str:
         return explicit
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        probe.connect(("192.0.2.1", 9))  # a UDP "connect" sends nothing; it only picks the outgoing interface
+        probe.connect((toward or "192.0.2.1", 9))  # a UDP "connect" sends nothing; it only picks the interface
         return probe.getsockname()[0]
     except OSError:
         pass
@@ -125,18 +129,22 @@ class NodeSpec:
     node_ip: str
     versions: dict[str, str]
     memory_bytes: int
+    path: str | None = None  # where it joined: its address on the path measured fastest to the head
 
     def labels(self) -> dict[str, str]:
         out = {f"{LABEL_PREFIX}tier": self.tier, f"{LABEL_PREFIX}budget-mb": str(self.memory_budget_mb)}
         out.update({f"{LABEL_PREFIX}{k}": _label_value(self.versions.get(k, "unknown")) for k in VERSION_KEYS})
+        if self.path:
+            out[PATH_LABEL] = self.path
         return out
 
     def resources(self) -> dict[str, int]:
         return {RESOURCE_MACHINE: 1, tier_resource(self.tier): 1}
 
 
-def this_node(node_ip: str | None, tier_name: str | None = None) -> NodeSpec:
-    """This machine from `raytrm probe`: its tier (or the named one, for a Mac the tier table guesses wrong)."""
+def this_node(node_ip: str | None, tier_name: str | None = None, toward: str | None = None) -> NodeSpec:
+    """This machine from `raytrm probe`: its tier (or the named one, for a Mac the tier table guesses wrong), at the
+    address it reaches toward (the head) by, unless node_ip names one."""
     from raytrm.hardware.probe import detect
     from raytrm.hardware.tiers import load_tiers, match_tier
 
@@ -150,7 +158,7 @@ def this_node(node_ip: str | None, tier_name: str | None = None) -> NodeSpec:
         if tier_name not in rows:
             raise UserError(f"--tier {tier_name}: not in the tier table; use one of {', '.join(sorted(rows))}")
         name, budget = tier_name, rows[tier_name].memory_budget_mb
-    return NodeSpec(name, budget, lan_address(node_ip), hw.versions, hw.memory_bytes)
+    return NodeSpec(name, budget, lan_address(node_ip, toward), hw.versions, hw.memory_bytes)
 
 
 def start_command(

@@ -37,3 +37,22 @@ def gcs_client(address: str) -> Any:
     from ray._raylet import GcsClient
 
     return GcsClient(address=address)
+
+
+def torch_config_with_setup(backend: str, setup: Any) -> Any:
+    """Ray Train's TorchConfig for backend whose worker group runs setup(worker_group) before its process group
+    starts: Ray Train has no public hook between starting the workers and joining them."""
+    from ray.train.torch import TorchConfig
+    from ray.train.torch.config import _TorchBackend
+
+    class Backend(_TorchBackend):
+        def on_start(self, worker_group: Any, backend_config: Any) -> None:
+            setup(worker_group)
+            super().on_start(worker_group, backend_config)
+
+    class Config(TorchConfig):
+        @property
+        def backend_cls(self) -> type:
+            return Backend
+
+    return Config(backend=backend)

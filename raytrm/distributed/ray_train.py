@@ -24,6 +24,7 @@ from typing import Any
 
 from raytrm import config as cfg
 from raytrm.constants import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV, RESOURCE_MACHINE, TIER_RESOURCE_PREFIX
+from raytrm.distributed.node import GLOO_IFNAME_ENV
 from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -261,6 +262,7 @@ def _fit_group(
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from raytrm.distributed import gloo_path
     from raytrm.hardware import device as devices
 
     kind, _ = devices.available_kind()
@@ -274,7 +276,8 @@ def _fit_group(
     trainer = TorchTrainer(
         _worker_loop,
         train_loop_config=job,
-        torch_config=TorchConfig(backend=backend),
+        # On a cluster, each worker's gradient sync binds the fastest path the run's Macs share (gloo_path).
+        torch_config=gloo_path.torch_config(backend) if on_cluster else TorchConfig(backend=backend),
         scaling_config=ScalingConfig(num_workers=count, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
             name=f"train-{uuid.uuid4().hex[:8]}",
@@ -377,6 +380,8 @@ def _worker_loop(job: dict) -> None:
             run_dir / LOGS_DIR / DRIVER_LOG,
         )
     logger.info("worker %d on tier %s: share %d of %d", rank, tier, shares[rank], global_batch)
+    if os.environ.get(GLOO_IFNAME_ENV):
+        logger.info("worker %d: the gradient sync goes through %s", rank, os.environ[GLOO_IFNAME_ENV])
 
     # Nothing is reported to Ray Train: the run directory holds the checkpoints and metrics, and a report blocks
     # every worker (it is collective) until Ray's controller takes the report before, which it polls every 2 s.

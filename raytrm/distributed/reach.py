@@ -67,6 +67,15 @@ def _resolve(host: str, port: int, timeout_s: float) -> tuple:
     raise OSError(getattr(error, "strerror", None) or str(error))
 
 
+def ipv4_of(host: str, timeout_s: float | None = None) -> str:
+    """host's IPv4 address (host itself if it is one), the name lookup bounded by timeout_s (CHECK_TIMEOUT_S); one
+    line where the name has none."""
+    try:
+        return str(_resolve(host, 0, timeout_s or CHECK_TIMEOUT_S)[0])
+    except OSError as e:
+        raise UserError(f"{host}: no IPv4 address for this name ({e}); give the head's IP address") from None
+
+
 def unreachable(host: str, port: int, timeout_s: float | None = None) -> str | None:
     """Why nothing answers a TCP connection at host:port within timeout_s (CHECK_TIMEOUT_S), or None if something
     does."""

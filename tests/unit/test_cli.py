@@ -223,7 +223,7 @@ def test_resume_with_the_starting_config_takes_only_its_length(tiny, tmp_path, c
         ([], "raytrm: missing COMMAND (see `raytrm --help`)"),
         (
             ["cluster", "jion"],
-            "raytrm cluster: ACTION: 'jion' is not one of head, join, status, stop; did you mean join?",
+            "raytrm cluster: ACTION: 'jion' is not one of head, join, paths, status, stop; did you mean join?",
         ),
         (["cluster", "join", "h", "--object-store-mb", "lots"], "--object-store-mb: 'lots' is not an integer"),
         (["data", "sodoku", "--out", "d"], "raytrm data: kind: 'sodoku' is not one of sudoku, maze; did you mean"),

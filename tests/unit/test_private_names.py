@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "raytrm"
 #: Each private name, where raytrm uses it, and why no public one serves.
 ALLOWED = {
     "raytrm/distributed/ray_internals.py": "Ray keeps the per-node free resources, `auto`, the forwarded lines' "
-    "dispatcher and the GCS client private",
+    "dispatcher, the GCS client and Ray Train's torch backend (the hook before the process group) private",
     "raytrm/tune/studies.py": "optuna builds a live Trial only from a trial's private storage id",
     "raytrm/train/side_by_side.py": "torch has no public way to ask whether a dispatch mode or the profiler watches",
     "raytrm/train/compile.py": "dynamo's dynamic-dimension hint and AOTAutograd's cache switch are documented only "
@@ -82,6 +82,7 @@ def test_the_private_names_of_ray_that_raytrm_uses_exist():
         ("ray._private.worker", "filter_autoscaler_events"),
         ("ray._private.worker", "global_worker_stdstream_dispatcher"),
         ("ray._raylet", "GcsClient"),
+        ("ray.train.torch.config", "_TorchBackend"),
     ]:
         found = getattr(importlib.import_module(module), name, None)
         assert found is not None, f"{module}.{name} is gone from this Ray: update raytrm/distributed/ray_internals.py"

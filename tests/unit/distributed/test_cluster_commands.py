@@ -32,9 +32,10 @@ def token(tmp_path, monkeypatch):
     return path
 
 
-def test_join_checks_the_address_then_the_token_then_the_head(token, tmp_path, monkeypatch):
+def test_join_checks_the_address_then_the_token_then_the_head_then_the_paths(token, tmp_path, monkeypatch):
     asked = []
     monkeypatch.setattr(commands, "check_head", lambda host, port, label, env: asked.append((host, port, label, env)))
+    monkeypatch.setattr(commands, "find_paths", lambda *a: asked.append(a) or [])
     monkeypatch.setattr(node, "this_node", lambda *a: (_ for _ in ()).throw(UserError("probed")))
     with pytest.raises(UserError, match="got port '0'"):
         commands.join("10.0.0.1:0", token_file=str(tmp_path / "missing"))  # the address, before the token
@@ -43,7 +44,16 @@ def test_join_checks_the_address_then_the_token_then_the_head(token, tmp_path, m
     assert asked == []
     with pytest.raises(UserError, match=r"^probed$"):  # the head answered: then this machine is probed
         commands.join("10.0.0.1")
-    assert asked == [("10.0.0.1", 6379, "10.0.0.1:6379", tokens.ray_environment(token))]
+    assert asked == [
+        ("10.0.0.1", 6379, "10.0.0.1:6379", tokens.ray_environment(token)),
+        ("10.0.0.1", 6380, TOKEN, token),
+    ]
+    asked.clear()
+    with pytest.raises(UserError, match=r"^probed$"):  # the path service on a port of its own
+        commands.join("10.0.0.1:7000", paths_port=7100)
+    assert asked[1] == ("10.0.0.1", 7100, TOKEN, token)
+    with pytest.raises(UserError, match=r"^--paths-port 65536: expected a port from 1 to 65535"):
+        commands.join("10.0.0.1:65535")
 
 
 def test_the_head_refuses_a_port_out_of_range_before_it_probes_anything(token, monkeypatch):

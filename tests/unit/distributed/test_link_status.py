@@ -20,6 +20,8 @@ def test_the_line_gives_the_rate_and_the_latency_of_a_sum():
     )
     slow = link.describe_link_status({"machines": 3, "mbit_s": 22.5, "latency_ms": 4.0})
     assert slow == "link between the 3 raytrm machines: 22.5 Mbit/s and 4.00 ms a sum (gloo, as training sums)"
+    bound = {"machines": 2, "mbit_s": 940.0, "latency_ms": 0.35, "interfaces": {"10.0.0.2": "en0", "10.0.0.1": "en1"}}
+    assert link.describe_link_status(bound).endswith("(gloo through 10.0.0.1 en1, 10.0.0.2 en0, as training sums)")
 
 
 def test_one_machine_has_no_link_to_measure(monkeypatch):
@@ -43,7 +45,7 @@ def test_the_status_table_carries_the_link_line_after_the_nodes():
 def test_a_probe_without_an_answer_is_one_line_with_the_fix(monkeypatch):
     from ray.exceptions import GetTimeoutError
 
-    def silent(nbytes, nodes, timeout_s):
+    def silent(nbytes, nodes, timeout_s, interfaces=None):
         raise GetTimeoutError(f"Get timed out: some object(s) not ready after {timeout_s} s")
 
     monkeypatch.setattr(link, "raytrm_nodes", lambda: TWO)

@@ -1,0 +1,120 @@
+"""The interface gloo binds on each node of a run: the network every node of the run shares, the fastest path
+`raytrm cluster join` measured where the run's nodes share it.
+
+Ray's own traffic goes through each node's Ray address, which every Mac of the cluster reaches; the gradient sync,
+the bulk of a run's traffic, goes where this plan says. gloo binds one interface per process and every rank dials
+every other at the address it binds, so the run needs one network that all its nodes are on: with two Macs, the
+path `join` chose (a Thunderbolt bridge); with a third Mac on the LAN alone, the LAN. A node records the address of
+the path it chose as its `raytrm/path` label; the head has none (it measured nothing).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from raytrm.distributed.node import GLOO_IFNAME_ENV, PATH_LABEL
+from raytrm.distributed.paths import Interface
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeNet:
+    """What the plan knows of one node: its Ray address, its interfaces and the address of the path it joined by."""
+
+    node_id: str
+    node_ip: str
+    interfaces: tuple[Interface, ...]
+    path: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> NodeNet:
+        found = tuple(Interface.from_dict(i) for i in d["interfaces"])
+        return cls(str(d["node_id"]), str(d["node_ip"]), found, d.get("path") or None)
+
+
+def _inside(ip: str | None, net: ipaddress.IPv4Network) -> bool:
+    try:
+        return ip is not None and ipaddress.IPv4Address(ip) in net
+    except ValueError:
+        return False
+
+
+def plan(nodes: Sequence[NodeNet]) -> dict[str, Interface] | None:
+    """Each node's interface for gloo (by node id), all on one network that every node is on: the one holding the
+    most nodes' chosen paths, then the most Ray addresses. None for a run on one node, or where no network is shared
+    (each node then keeps the interface of its Ray address)."""
+    unique = list({n.node_id: n for n in nodes}.values())
+    if len(unique) < 2:
+        return None
+    networks = sorted({i.network for i in unique[0].interfaces}, key=str)
+    shared = [net for net in networks if all(any(_inside(i.ip, net) for i in n.interfaces) for n in unique)]
+    if not shared:
+        return None
+
+    def score(net: ipaddress.IPv4Network) -> tuple[int, int]:
+        return sum(_inside(n.path, net) for n in unique), sum(_inside(n.node_ip, net) for n in unique)
+
+    best = max(shared, key=score)  # the first of equals, in a stable order
+    return {n.node_id: next(i for i in n.interfaces if _inside(i.ip, best)) for n in unique}
+
+
+def describe(plan_: dict[str, Interface] | None, nodes: Sequence[NodeNet]) -> str:
+    """The plan as a line for the logs."""
+    if plan_ is None:
+        return "the gradient sync binds each node's Ray address's interface (the run's nodes share no other network)"
+    named = ", ".join(
+        f"{n.node_ip}: {plan_[n.node_id].name} {plan_[n.node_id].ip}" for n in nodes if n.node_id in plan_
+    )
+    return f"the gradient sync binds {named}"
+
+
+# -- on Ray's workers ---------------------------------------------------------------------------------------------
+
+
+def node_here() -> dict[str, Any]:
+    """This worker's node, as NodeNet.from_dict reads it (run on a Ray worker)."""
+    import ray
+
+    from raytrm.distributed.paths import interfaces
+
+    context = ray.get_runtime_context()
+    path = context.get_node_labels().get(PATH_LABEL)
+    if isinstance(path, list):
+        path = path[0] if path else None
+    return {
+        "node_id": context.get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
+        "interfaces": [vars(i) for i in interfaces()],
+        "path": path,
+    }
+
+
+def bind(name: str | None) -> str | None:
+    """Bind this process's next gloo group to interface name (None: leave it as it is); returns what was set."""
+    previous = os.environ.get(GLOO_IFNAME_ENV)
+    if name is not None:
+        os.environ[GLOO_IFNAME_ENV] = name
+    return previous
+
+
+def before_group(worker_group: Any) -> None:
+    """Ray Train's hook before its workers' process group starts: each worker bound to the plan's interface."""
+    found = [NodeNet.from_dict(d) for d in worker_group.execute(node_here)]
+    chosen = plan(found)
+    logger.info(describe(chosen, found))
+    if chosen is not None:
+        for rank, node in enumerate(found):
+            worker_group.execute_single(rank, bind, chosen[node.node_id].name)
+
+
+def torch_config(backend: str) -> Any:
+    """Ray Train's TorchConfig for backend, its workers bound by the plan before their group starts."""
+    from raytrm.distributed.ray_internals import torch_config_with_setup
+
+    return torch_config_with_setup(backend, before_group)

@@ -1,0 +1,152 @@
+"""The paths between two Macs: the choice and the table from made-up measurements, the gradient sync's network for a
+run (two Macs, three with mixed links), and the path service's protocol on loopback addresses (all on lo: right for
+the protocol, not for rates). No Ray; nothing sent off loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from raytrm.distributed import cluster_commands, paths
+from raytrm.distributed.gloo_path import NodeNet, describe, plan
+from raytrm.distributed.path_service import Service
+from raytrm.distributed.paths import Interface, Measured
+from raytrm.errors import UserError
+from tests.unit.distributed.servers import closed_port, listening
+
+TOKEN = "ab" * 32
+
+TB = Measured("10.0.0.1", "bridge0", "10.0.0.2", "bridge0", mbit_s=9000.0, latency_ms=0.4)
+ETHERNET = Measured("192.168.1.10", "en0", "192.168.1.11", "en0", mbit_s=940.0, latency_ms=0.6)
+WIFI = Measured("192.168.1.20", "en1", "192.168.1.21", "en1", mbit_s=870.0, latency_ms=6.0)
+GONE = Measured("169.254.3.4", "bridge1", None, None, problem="no answer within 1.5 s")
+
+
+def test_the_fastest_rate_wins_whatever_the_order():
+    for order in ([WIFI, ETHERNET, TB, GONE], [TB, GONE, WIFI, ETHERNET], [GONE, ETHERNET, WIFI, TB]):
+        assert paths.choose(order) == TB
+
+
+def test_rates_near_the_best_are_a_tie_that_the_lower_latency_breaks():
+    # Wi-Fi measured a little faster than Ethernet in a short transfer: within NEAR_TIE, Ethernet's latency wins.
+    lucky_wifi = Measured("192.168.1.20", "en1", "192.168.1.21", "en1", mbit_s=990.0, latency_ms=6.0)
+    assert paths.choose([lucky_wifi, ETHERNET]) == ETHERNET
+    # Far enough ahead, the rate wins over the latency.
+    fast_wifi = Measured("192.168.1.20", "en1", "192.168.1.21", "en1", mbit_s=940.0 / paths.NEAR_TIE + 1, latency_ms=6)
+    assert paths.choose([fast_wifi, ETHERNET]) == fast_wifi
+
+
+def test_no_measured_path_is_no_choice():
+    assert paths.choose([]) is None
+    assert paths.choose([GONE]) is None
+
+
+def test_the_table_names_each_path_its_rate_latency_and_the_one_chosen():
+    assert paths.table([TB, WIFI, GONE], TB).splitlines() == [
+        "  path                                             rate     latency",
+        "  bridge0 10.0.0.2 -> 10.0.0.1 (bridge0)    9.00 Gbit/s     0.40 ms  chosen",
+        "  en1 192.168.1.21 -> 192.168.1.20 (en1)   870.0 Mbit/s     6.00 ms",
+        "  ? (no route) -> 169.254.3.4 (bridge1)   no answer within 1.5 s",
+    ]
+
+
+# -- the gradient sync's network for a run -------------------------------------------------------------------------
+
+LAN = {name: Interface("en0", f"192.168.1.{k}", 24) for k, name in enumerate(("studio", "mba", "mbp"), start=10)}
+BRIDGE = {"studio": Interface("bridge0", "10.0.0.1", 24), "mba": Interface("bridge0", "10.0.0.2", 24)}
+
+
+def node(name: str, path: str | None = None, bridged: bool = True) -> NodeNet:
+    found = (LAN[name], BRIDGE[name]) if bridged and name in BRIDGE else (LAN[name],)
+    return NodeNet(name, LAN[name].ip, found, path)
+
+
+def test_two_macs_sync_over_the_path_join_chose():
+    studio, mba = node("studio"), node("mba", path="10.0.0.2")
+    assert plan([studio, mba]) == {"studio": BRIDGE["studio"], "mba": BRIDGE["mba"]}
+    assert plan([mba, studio]) == plan([studio, mba])
+    assert describe(plan([studio, mba]), [studio, mba]) == (
+        "the gradient sync binds 192.168.1.10: bridge0 10.0.0.1, 192.168.1.11: bridge0 10.0.0.2"
+    )
+    # The LAN chosen (the bridge measured slower): the LAN it is.
+    assert plan([studio, node("mba", path="192.168.1.11")]) == {"studio": LAN["studio"], "mba": LAN["mba"]}
+
+
+def test_three_macs_with_mixed_links_sync_over_the_network_all_three_share():
+    studio, mba, mbp = node("studio"), node("mba", path="10.0.0.2"), node("mbp", path="192.168.1.12")
+    assert plan([studio, mba, mbp]) == {"studio": LAN["studio"], "mba": LAN["mba"], "mbp": LAN["mbp"]}
+    # A run on the two bridged Macs alone takes the bridge.
+    assert plan([studio, mba])["mba"] == BRIDGE["mba"]  # type: ignore[index]
+
+
+def test_one_node_or_no_shared_network_keeps_each_nodes_own_interface():
+    studio = node("studio")
+    assert plan([studio]) is None
+    assert plan([studio, studio]) is None  # two workers of one node
+    stranger = NodeNet("far", "172.16.0.5", (Interface("en0", "172.16.0.5", 24),), None)
+    assert plan([studio, stranger]) is None
+    assert describe(None, [studio, stranger]).startswith("the gradient sync binds each node's Ray address's")
+
+
+# -- the path service on loopback ----------------------------------------------------------------------------------
+
+SERVED = [Interface("lo", "127.0.0.2", 8), Interface("lo", "127.0.0.3", 8)]
+
+
+@contextlib.contextmanager
+def service(host: str = "127.0.0.2") -> Iterator[int]:
+    """A path service on host only, on a port the kernel picks, listing SERVED."""
+    server = Service(0, TOKEN, lambda: list(SERVED), host=host)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_service_lists_the_heads_addresses_to_the_token_and_measures_what_answers():
+    with service() as port:
+        conn = paths.open_service("127.0.0.2", port, TOKEN)
+        assert paths.ask_addresses(conn) == SERVED
+        conn.close()
+        # 127.0.0.3 is on lo too, but the service listens on 127.0.0.2 alone: refused, as a path that is down.
+        found = paths.measure_paths(SERVED, port, TOKEN, sink_s=0.05, local_interface={"127.0.0.1": "lo"})
+    up, down = found
+    assert up.usable and up.remote == "127.0.0.2" and up.local == "127.0.0.1" and up.interface == "lo"
+    assert up.mbit_s > 1 and 0 < up.latency_ms < 1000  # type: ignore[operator]
+    assert not down.usable and down.problem == "Connection refused"
+    assert paths.choose(found) == up
+
+
+def test_a_client_without_the_token_is_refused_and_learns_nothing():
+    with service() as port, pytest.raises(paths.PathProblem) as refused:
+        paths.open_service("127.0.0.2", port, "cd" * 32)
+    assert refused.value.kind == "refused"
+
+
+def test_join_without_a_path_service_or_with_something_else_there_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(paths, "CONNECT_S", 0.2)
+    token = tmp_path / "auth_token"
+    with closed_port() as port, pytest.raises(UserError) as older:
+        cluster_commands.find_paths("127.0.0.1", port, TOKEN, token)
+    assert str(older.value).startswith(
+        f"127.0.0.1:{port}: the head's path service does not answer (Connection refused): the head runs an older "
+        "raytrm, or its path service listens on another port; restart the head with this raytrm"
+    )
+    for kind, why in (("close", "it closed the connection before a greeting"), ("grpc", "no greeting within 0.2 s")):
+        with listening(kind) as port, pytest.raises(UserError) as other:
+            cluster_commands.find_paths("127.0.0.1", port, TOKEN, token)
+        assert str(other.value).startswith(
+            f"127.0.0.1:{port}: something answers there, but not as raytrm's path service ({why}"
+        ), other.value
+    with service() as port, pytest.raises(UserError) as wrong:
+        cluster_commands.find_paths("127.0.0.2", port, "cd" * 32, token)
+    assert str(wrong.value) == (
+        f"the path service at 127.0.0.2:{port} refused the cluster token at {token}: it is not the head's; copy the "
+        "head's"
+    )
