@@ -185,10 +185,12 @@ def find_paths(head_ip: str, port: int, secret: str, token: Path) -> list[paths.
 
 def _service_problem(where: str, problem: paths.PathProblem, token: Path) -> str:
     if problem.kind == "unreachable":
+        return f"{where}: cannot reach the head there ({problem}); check the address, the links and the head's firewall"
+    if problem.kind == "no_service":
         return (
-            f"{where}: the head's path service does not answer ({problem}): the head runs an older raytrm, or its "
-            "path service listens on another port; restart the head with this raytrm (`raytrm cluster stop && "
-            "raytrm cluster head`), or give its --paths-port"
+            f"{where}: no path service listens there ({problem}): the head runs an older raytrm, or its path service "
+            "listens on another port; restart the head with this raytrm (`raytrm cluster stop && raytrm cluster "
+            "head`), or give its --paths-port"
         )
     if problem.kind == "refused":
         return (

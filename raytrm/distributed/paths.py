@@ -73,8 +73,8 @@ def proof(token: str, nonce: str) -> str:
 
 
 class PathProblem(Exception):
-    """Why a path gave no measurement, as a few words for the table (the kind says which: unreachable, not_service,
-    refused, lost)."""
+    """Why a path gave no measurement, as a few words for the table; its kind says which: unreachable (no answer),
+    no_service (nothing listens), not_service (something else listens), refused (the token), lost (broke off)."""
 
     def __init__(self, kind: str, why: str) -> None:
         super().__init__(why)
@@ -123,6 +123,8 @@ def open_service(host: str, port: int, token: str, timeout_s: float | None = Non
         sock = socket.create_connection((host, port), timeout=timeout_s)
     except TimeoutError:
         raise PathProblem("unreachable", f"no answer within {timeout_s:g} s") from None
+    except ConnectionRefusedError as e:  # the machine answered: nothing listens on the port
+        raise PathProblem("no_service", str(e.strerror or e)) from None
     except OSError as e:
         raise PathProblem("unreachable", str(e.strerror or e)) from None
     conn = Conn(sock, timeout_s)

@@ -135,8 +135,8 @@ def test_join_without_a_path_service_or_with_something_else_there_is_one_line(tm
     with closed_port() as port, pytest.raises(UserError) as older:
         cluster_commands.find_paths("127.0.0.1", port, TOKEN, token)
     assert str(older.value).startswith(
-        f"127.0.0.1:{port}: the head's path service does not answer (Connection refused): the head runs an older "
-        "raytrm, or its path service listens on another port; restart the head with this raytrm"
+        f"127.0.0.1:{port}: no path service listens there (Connection refused): the head runs an older raytrm, or "
+        "its path service listens on another port; restart the head with this raytrm"
     )
     for kind, why in (("close", "it closed the connection before a greeting"), ("grpc", "no greeting within 0.2 s")):
         with listening(kind) as port, pytest.raises(UserError) as other:
