@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from tests.support.hosts import HostSpec, LinkSpec, Rig, cannot_make_hosts
 
@@ -90,7 +91,16 @@ def test_the_direct_link_is_chosen_every_time_and_the_lan_once_it_is_down(rig):
         service.wait()
 
 
-def test_head_and_join_record_the_direct_link_and_the_sync_goes_through_it(rig):
+def training_config(host, tmp_path) -> dict:
+    """A tiny TRM on Sudoku generated on host, two steps."""
+    data = tmp_path / "sudoku"
+    host.raytrm("data", "sudoku", "--out", str(data), "--count", "100", "--test-count", "8", check=True)
+    model = {"hidden_size": 32, "L_layers": 1, "H_cycles": 2, "L_cycles": 1, "halt_max_steps": 3}
+    training = {"global_batch_size": 16, "lr": 3e-3, "warmup_steps": 1, "threads": 1, "seed": 4, "steps": 2}
+    return {"model": model, "data": {"path": str(data)}, "training": training}
+
+
+def test_head_and_join_record_the_direct_link_and_the_sync_goes_through_it(rig, tmp_path):
     studio, mba = rig["studio"], rig["mba"]
     head_lan, mba_tb = rig.address("studio"), rig.address("mba", "tb")
     try:
@@ -111,6 +121,13 @@ def test_head_and_join_record_the_direct_link_and_the_sync_goes_through_it(rig):
         assert link, status.stdout
         assert link.group(2) == f"{head_lan} tb, {rig.address('mba')} tb", link.group(2)
         assert float(link.group(1)) > 2 * 20, link.group(1)  # more than the LAN could carry
+
+        # Training on both: each worker's gloo binds the direct link, chosen before the process group started.
+        config, run = tmp_path / "config.yaml", tmp_path / "run"
+        config.write_text(yaml.safe_dump(training_config(studio, tmp_path)))
+        studio.raytrm("train", "--config", str(config), "--address", "auto", "--out", str(run), check=True, timeout=400)
+        for rank in (0, 1):
+            assert "the gradient sync goes through tb" in (run / "logs" / f"worker-{rank}.log").read_text(), rank
 
         # A head without a path service on the port given (an older raytrm, a wrong port): one line, no node.
         mba.raytrm("cluster", "stop", check=True)
