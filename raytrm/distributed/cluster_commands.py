@@ -75,7 +75,7 @@ def head(
             f"--port {port}: the head cannot listen there ({taken}); stop what uses it (`lsof -i :{port}` names "
             "it; `raytrm cluster stop` if it is a Ray node), or give another --port"
         )
-    path_service.stop()  # no head runs here (its port is free): a path service left running is a stale one
+    path_service.stop(paths_port)  # no head runs here (its port is free): a service left on the port is stale
     taken = port_taken(spec.node_ip, paths_port)
     if taken:
         raise UserError(
@@ -154,6 +154,10 @@ def join(
 
 def _paths_port(port: int, explicit: int | None) -> int:
     found = port + paths.PORT_OFFSET if explicit is None else explicit
+    if found in (port, nodes.DASHBOARD_PORT):
+        raise UserError(
+            f"--paths-port {found}: Ray's own port; give another (default: Ray's port + {paths.PORT_OFFSET})"
+        )
     if nodes.port_number(str(found)) is None:
         raise UserError(
             f"--paths-port {found}: expected a port from 1 to 65535 (the path service's, Ray's port + "
@@ -365,7 +369,7 @@ def format_status(report: dict[str, Any]) -> str:
         lines.append(
             f"{n['address']:<16} {n['tier'] or '(not raytrm)':<22} {'head' if n['head'] else 'worker':<6} "
             f"{n['cpus']:>4.0f} {n['memory_gb']:>6.1f} GiB {budget:>11}  {state}"
-            + (f"  (joined by the path of {n['path']})" if n.get("path") else "")
+            + (f"  (joined by the path of {n['path']})" if n.get("path") not in (None, n["address"]) else "")
         )
     versions = {tuple(sorted(n["versions"].items())) for n in report["nodes"] if n["alive"] and n["tier"]}
     if len(versions) == 1:

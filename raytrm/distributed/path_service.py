@@ -167,23 +167,24 @@ def start(port: int, token_file: Path, ray_address: str, ready_at: str = "127.0.
     raise UserError(f"the path service gave no answer on port {port} within {START_S:g} s; see {LOG_FILE}")
 
 
-def running() -> int | None:
-    """The pid of this machine's path service, from its pid file, if that process is one."""
+def running(port: int | None = None) -> int | None:
+    """The pid of this machine's path service (on port, where given), from its pid file, if that process is one."""
     import psutil
 
     try:
-        pid = int(PID_FILE.read_text().split()[0])
+        pid_text, port_text = PID_FILE.read_text().split()[:2]
+        pid = int(pid_text)
         alive = MODULE in " ".join(psutil.Process(pid).cmdline())
-    except (OSError, ValueError, IndexError, psutil.Error):
+    except (OSError, ValueError, psutil.Error):
         return None
-    return pid if alive else None
+    return pid if alive and port in (None, int(port_text)) else None
 
 
-def stop() -> bool:
-    """Stop this machine's path service; True if one was running."""
+def stop(port: int | None = None) -> bool:
+    """Stop this machine's path service (the one on port, where given); True if one was running."""
     import psutil
 
-    pid = running()
+    pid = running(port)
     if pid is None:
         return False
     proc = psutil.Process(pid)

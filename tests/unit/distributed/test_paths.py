@@ -150,3 +150,19 @@ def test_join_without_a_path_service_or_with_something_else_there_is_one_line(tm
         f"the path service at 127.0.0.2:{port} refused the cluster token at {token}: it is not the head's; copy the "
         "head's"
     )
+
+
+def test_the_path_service_port_is_rays_plus_one_unless_given_and_never_rays_own():
+    assert cluster_commands._paths_port(6379, None) == 6380 and cluster_commands._paths_port(7000, 7100) == 7100
+    for port, given in ((6379, 6379), (6379, 8265)):
+        with pytest.raises(UserError, match=rf"^--paths-port {given}: Ray's own port; give another"):
+            cluster_commands._paths_port(port, given)
+
+
+def test_status_names_the_path_a_node_joined_by_where_it_is_not_its_ray_address():
+    row = {"alive": True, "head": False, "tier": "macbook-air-8gb", "cpus": 8, "memory_gb": 8.0, "budget_mb": 5632}
+    row |= {"busy": False, "versions": {"raytrm": "0.1.0"}}
+    report = {"nodes": [row | {"address": "192.168.1.11", "path": "10.0.0.2"}], "jobs": []}
+    assert cluster_commands.format_status(report).splitlines()[1].endswith("free  (joined by the path of 10.0.0.2)")
+    report = {"nodes": [row | {"address": "192.168.1.11", "path": "192.168.1.11"}], "jobs": []}
+    assert cluster_commands.format_status(report).splitlines()[1].endswith("free")
