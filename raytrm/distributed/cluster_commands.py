@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrm.distributed import node as nodes
-from raytrm.distributed import path_service, paths, tokens
+from raytrm.distributed import path_client, path_service, paths, tokens
 from raytrm.distributed.cluster import check_address, ray_node_here
 from raytrm.distributed.reach import check_head, ipv4_of, port_taken
 from raytrm.errors import UserError
@@ -62,7 +62,7 @@ def head(
     """
     if nodes.port_number(str(port)) is None:
         raise UserError(f"--port {port}: expected a port from 1 to 65535, e.g. {nodes.DEFAULT_PORT}")
-    paths_port = _paths_port(port, paths_port)
+    paths_port = path_client.service_port(port, paths_port)
     if dashboard_host not in ANY_HOST + LOOPBACK and nodes.interface_of(dashboard_host) is None:
         raise UserError(
             f"--dashboard-host {nodes.shown(dashboard_host)}: not an address of this Mac; give 127.0.0.1 (this Mac "
@@ -119,14 +119,14 @@ def join(
     gradient sync (node_ip, where given, names the path instead); stopped again if its versions differ from the
     head's."""
     host, port = nodes.split_address(address)
-    paths_port = _paths_port(port, paths_port)
+    paths_port = path_client.service_port(port, paths_port)
     if node_ip is not None:
         nodes.lan_address(node_ip)  # a wrong --node-ip is refused before the network is asked anything
     token = _token_path(token_file)
     secret = tokens.read_token(token, head=host)
     check_head(host, port, f"{host}:{port}", tokens.ray_environment(token))
     head_ip = ipv4_of(host)
-    measured = find_paths(head_ip, paths_port, secret, token)
+    measured = path_client.find_paths(head_ip, paths_port, secret, token)
     chosen = paths.choose(measured)
     spec = nodes.this_node(node_ip, tier, head_ip)
     spec.path = node_ip or (chosen.local if chosen else None)
@@ -152,70 +152,14 @@ def join(
     }
 
 
-def _paths_port(port: int, explicit: int | None) -> int:
-    found = port + paths.PORT_OFFSET if explicit is None else explicit
-    if found in (port, nodes.DASHBOARD_PORT):
-        raise UserError(
-            f"--paths-port {found}: Ray's own port; give another (default: Ray's port + {paths.PORT_OFFSET})"
-        )
-    if nodes.port_number(str(found)) is None:
-        raise UserError(
-            f"--paths-port {found}: expected a port from 1 to 65535 (the path service's, Ray's port + "
-            f"{paths.PORT_OFFSET} unless given)"
-        )
-    return found
-
-
-def find_paths(head_ip: str, port: int, secret: str, token: Path) -> list[paths.Measured]:
-    """Every path to the head, measured through its path service at head_ip:port: one line where the service does
-    not answer there, or no path could be measured."""
-    where = f"{head_ip}:{port}"
-    try:
-        conn = paths.open_service(head_ip, port, secret)
-        try:
-            listed = paths.ask_addresses(conn)
-        finally:
-            conn.close()
-    except paths.PathProblem as e:
-        raise UserError(_service_problem(where, e, token)) from None
-    if head_ip not in {i.ip for i in listed}:
-        listed.append(paths.Interface("", head_ip, 32))  # the address given reached it: a path too
-    measured = paths.measure_paths(listed, port, secret)
-    if paths.choose(measured) is None:
-        named = "; ".join(f"{m.remote}: {m.problem}" for m in measured)
-        raise UserError(f"{where}: no path to the head could be measured ({named}); check the links and join again")
-    return measured
-
-
-def _service_problem(where: str, problem: paths.PathProblem, token: Path) -> str:
-    if problem.kind == "unreachable":
-        return f"{where}: cannot reach the head there ({problem}); check the address, the links and the head's firewall"
-    if problem.kind == "no_service":
-        return (
-            f"{where}: no path service listens there ({problem}): the head runs an older raytrm, or its path service "
-            "listens on another port; restart the head with this raytrm (`raytrm cluster stop && raytrm cluster "
-            "head`), or give its --paths-port"
-        )
-    if problem.kind == "refused":
-        return (
-            f"the path service at {where} refused the cluster token at {token}: it is not the head's; copy the head's"
-        )
-    if problem.kind == "not_service":
-        return (
-            f"{where}: something answers there, but not as raytrm's path service ({problem}); give the port "
-            f"`raytrm cluster head` printed for it with --paths-port (Ray's port + {paths.PORT_OFFSET} unless given)"
-        )
-    return f"{where}: the head's path service broke off ({problem}); join again"
-
-
 def measure(address: str, token_file: str | None = None, paths_port: int | None = None) -> dict[str, Any]:
     """`raytrm cluster paths HEAD[:PORT]`: the paths to the head measured, and the one `join` would choose; joins
     nothing."""
     host, port = nodes.split_address(address)
-    paths_port = _paths_port(port, paths_port)
+    paths_port = path_client.service_port(port, paths_port)
     token = _token_path(token_file)
     secret = tokens.read_token(token, head=host)
-    measured = find_paths(ipv4_of(host), paths_port, secret, token)
+    measured = path_client.find_paths(ipv4_of(host), paths_port, secret, token)
     return {"head": f"{host}:{port}", "paths": measured, "chosen": paths.choose(measured)}
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from raytrm.distributed import paths
+from raytrm.distributed.path_client import open_service
 from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ def start(port: int, token_file: Path, ray_address: str, ready_at: str = "127.0.
                 "free the port or give another --paths-port"
             )
         try:
-            paths.open_service(ready_at, port, "", timeout_s=1.0).close()
+            open_service(ready_at, port, "", timeout_s=1.0).close()
         except paths.PathProblem as e:
             if e.kind == "refused":  # it answers: the empty token is refused, as it should be
                 return child.pid

@@ -1,6 +1,6 @@
-"""The paths between this Mac and the head: every address of the head's (Thunderbolt bridge, Ethernet, Wi-Fi), each
-path's rate and latency measured through the head's path service (raytrm.distributed.path_service), the fastest
-chosen, and the table `raytrm cluster join` and `raytrm cluster paths` print.
+"""The paths between this Mac and the head: what a path is (the head's address, the local end, its rate and latency),
+the fastest chosen, the table `raytrm cluster join` and `raytrm cluster paths` print, and the protocol the head's path
+service (raytrm.distributed.path_service) and its client (raytrm.distributed.path_client) speak.
 
 Ray-free. The protocol, one TCP connection per path: the service greets with GREETING and a fresh nonce; the client
 answers with proof(token, nonce) (the token itself never travels), then asks, one line each: `addresses` (a JSON
@@ -13,11 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import json
 import socket
-import statistics
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -115,78 +111,6 @@ class Conn:
         self.sock.close()
 
 
-def open_service(host: str, port: int, token: str, timeout_s: float | None = None) -> Conn:
-    """An authenticated connection to the path service at host:port, connected and greeted within timeout_s
-    (CONNECT_S); raises PathProblem."""
-    timeout_s = timeout_s or CONNECT_S
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout_s)
-    except TimeoutError:
-        raise PathProblem("unreachable", f"no answer within {timeout_s:g} s") from None
-    except ConnectionRefusedError as e:  # the machine answered: nothing listens on the port
-        raise PathProblem("no_service", str(e.strerror or e)) from None
-    except OSError as e:
-        raise PathProblem("unreachable", str(e.strerror or e)) from None
-    conn = Conn(sock, timeout_s)
-    try:
-        try:
-            greeting = conn.line()
-        except TimeoutError:
-            raise PathProblem("not_service", f"no greeting within {timeout_s:g} s") from None
-        except (PathProblem, OSError) as e:
-            raise PathProblem("not_service", f"{getattr(e, 'strerror', None) or e} before a greeting") from None
-        if not greeting.startswith(GREETING + " "):
-            raise PathProblem("not_service", "its greeting is not raytrm's path service's")
-        conn.sock.settimeout(REPLY_S)
-        conn.send(proof(token, greeting[len(GREETING) + 1 :]))
-        if conn.line() != "ok":
-            raise PathProblem("refused", "it refused the cluster token")
-    except TimeoutError:
-        conn.close()
-        raise PathProblem("lost", f"no reply within {REPLY_S:g} s") from None
-    except OSError as e:
-        conn.close()
-        raise PathProblem("lost", str(e.strerror or e)) from None
-    except PathProblem:
-        conn.close()
-        raise
-    return conn
-
-
-def ask_addresses(conn: Conn) -> list[Interface]:
-    """The head's addresses, as its service lists them."""
-    conn.send("addresses")
-    try:
-        return [Interface.from_dict(d) for d in json.loads(conn.line())["addresses"]]
-    except (ValueError, KeyError, TypeError) as e:
-        raise PathProblem("not_service", f"its address list is not readable ({e})") from None
-
-
-def measure(conn: Conn, sink_s: float = SINK_S, max_bytes: int = SINK_MAX_BYTES) -> tuple[float, float]:
-    """(Mbit/s, latency in ms) over one connection: ECHO_ROUNDS round trips, then a sink that closes it."""
-    rounds, payload = [], bytes(ECHO_BYTES)
-    conn.send(f"echo {ECHO_ROUNDS}")
-    for _ in range(ECHO_ROUNDS):
-        start = time.perf_counter()
-        conn.sock.sendall(payload)
-        conn.exactly(ECHO_BYTES)
-        rounds.append(time.perf_counter() - start)
-    conn.send("sink")
-    chunk, sent, stop = bytes(CHUNK), 0, time.monotonic() + sink_s
-    while time.monotonic() < stop and sent < max_bytes:
-        conn.sock.sendall(chunk)
-        sent += len(chunk)
-    conn.sock.shutdown(socket.SHUT_WR)
-    try:
-        got = json.loads(conn.line())
-        mbit_s = got["bytes"] * 8 / max(float(got["seconds"]), 1e-6) / 1e6
-    except (ValueError, KeyError, TypeError) as e:
-        raise PathProblem("not_service", f"its sink's answer is not readable ({e})") from None
-    finally:
-        conn.close()
-    return mbit_s, statistics.median(rounds) * 1e3
-
-
 @dataclass(frozen=True)
 class Measured:
     """One path to the head: its address there, the local end the kernel sends from, and the rate and latency
@@ -206,64 +130,6 @@ class Measured:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def local_end(remote: str) -> str | None:
-    """The address this machine sends from to reach remote (a UDP connect sends nothing), or None: no route."""
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect((remote, 9))
-        return probe.getsockname()[0]
-    except OSError:
-        return None
-    finally:
-        probe.close()
-
-
-def measure_paths(
-    remotes: Sequence[Interface],
-    port: int,
-    token: str,
-    connect_s: float | None = None,
-    sink_s: float = SINK_S,
-    local_interface: dict[str, str] | None = None,
-) -> list[Measured]:
-    """Each of the head's addresses: connected to all at once (one deadline for all), then measured one at a time,
-    so that no two measurements share the machine. local_interface maps this machine's addresses to interfaces."""
-    connect_s = connect_s or CONNECT_S
-    if local_interface is None:
-        local_interface = {i.ip: i.name for i in interfaces()}
-    conns: dict[int, Conn | PathProblem] = {}
-
-    def connect(k: int, remote: Interface) -> None:
-        try:
-            conns[k] = open_service(remote.ip, port, token, connect_s)
-        except PathProblem as e:
-            conns[k] = e
-
-    threads = [threading.Thread(target=connect, args=(k, r), daemon=True) for k, r in enumerate(remotes)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(connect_s + REPLY_S)
-    found = []
-    for k, remote in enumerate(remotes):
-        local = local_end(remote.ip)
-        row = {"remote": remote.ip, "remote_interface": remote.name, "local": local}
-        row["interface"] = local_interface.get(local) if local else None
-        conn = conns.get(k, PathProblem("unreachable", f"no answer within {connect_s:g} s"))
-        if isinstance(conn, PathProblem):
-            found.append(Measured(**row, problem=str(conn)))
-            continue
-        try:
-            mbit_s, latency_ms = measure(conn, sink_s)
-        except TimeoutError:
-            found.append(Measured(**row, problem=f"lost: no reply within {REPLY_S:g} s"))
-        except (PathProblem, OSError) as e:
-            found.append(Measured(**row, problem=f"lost: {getattr(e, 'strerror', None) or e}"))
-        else:
-            found.append(Measured(**row, mbit_s=mbit_s, latency_ms=latency_ms))
-    return found
 
 
 def choose(paths: Sequence[Measured]) -> Measured | None:

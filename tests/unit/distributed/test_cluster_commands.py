@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from raytrm.distributed import cluster, node, tokens
+from raytrm.distributed import cluster, node, path_client, tokens
 from raytrm.distributed import cluster_commands as commands
 from raytrm.errors import UserError
 from tests.unit.distributed.servers import closed_port
@@ -35,7 +35,7 @@ def token(tmp_path, monkeypatch):
 def test_join_checks_the_address_then_the_token_then_the_head_then_the_paths(token, tmp_path, monkeypatch):
     asked = []
     monkeypatch.setattr(commands, "check_head", lambda host, port, label, env: asked.append((host, port, label, env)))
-    monkeypatch.setattr(commands, "find_paths", lambda *a: asked.append(a) or [])
+    monkeypatch.setattr(path_client, "find_paths", lambda *a: asked.append(a) or [])
     monkeypatch.setattr(node, "this_node", lambda *a: (_ for _ in ()).throw(UserError("probed")))
     with pytest.raises(UserError, match="got port '0'"):
         commands.join("10.0.0.1:0", token_file=str(tmp_path / "missing"))  # the address, before the token

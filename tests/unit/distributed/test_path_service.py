@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from raytrm.distributed import path_service, paths
+from raytrm.distributed import path_client, path_service
 from raytrm.distributed.launch import free_port
 from raytrm.errors import UserError
 
@@ -43,8 +43,8 @@ def test_the_service_runs_until_stopped_or_until_rays_head_stops_answering(files
     pid = path_service.start(port, files, f"127.0.0.1:{ray_head.getsockname()[1]}")
     try:
         assert path_service.running() == pid
-        conn = paths.open_service("127.0.0.1", port, TOKEN)
-        assert all(not a.ip.startswith("127.") for a in paths.ask_addresses(conn))
+        conn = path_client.open_service("127.0.0.1", port, TOKEN)
+        assert all(not a.ip.startswith("127.") for a in path_client.ask_addresses(conn))
         conn.close()
         assert path_service.stop() and gone(pid) and not path_service.PID_FILE.exists()
         assert path_service.running() is None and not path_service.stop()

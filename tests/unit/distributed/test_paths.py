@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from raytrm.distributed import cluster_commands, paths
+from raytrm.distributed import cluster_commands, path_client, paths
 from raytrm.distributed.gloo_path import NodeNet, describe, plan
 from raytrm.distributed.path_service import Service
 from raytrm.distributed.paths import Interface, Measured
@@ -111,11 +111,11 @@ def service(host: str = "127.0.0.2") -> Iterator[int]:
 
 def test_the_service_lists_the_heads_addresses_to_the_token_and_measures_what_answers():
     with service() as port:
-        conn = paths.open_service("127.0.0.2", port, TOKEN)
-        assert paths.ask_addresses(conn) == SERVED
+        conn = path_client.open_service("127.0.0.2", port, TOKEN)
+        assert path_client.ask_addresses(conn) == SERVED
         conn.close()
         # 127.0.0.3 is on lo too, but the service listens on 127.0.0.2 alone: refused, as a path that is down.
-        found = paths.measure_paths(SERVED, port, TOKEN, sink_s=0.05, local_interface={"127.0.0.1": "lo"})
+        found = path_client.measure_paths(SERVED, port, TOKEN, sink_s=0.05, local_interface={"127.0.0.1": "lo"})
     up, down = found
     assert up.usable and up.remote == "127.0.0.2" and up.local == "127.0.0.1" and up.interface == "lo"
     assert up.mbit_s > 1 and 0 < up.latency_ms < 1000  # type: ignore[operator]
@@ -125,7 +125,7 @@ def test_the_service_lists_the_heads_addresses_to_the_token_and_measures_what_an
 
 def test_a_client_without_the_token_is_refused_and_learns_nothing():
     with service() as port, pytest.raises(paths.PathProblem) as refused:
-        paths.open_service("127.0.0.2", port, "cd" * 32)
+        path_client.open_service("127.0.0.2", port, "cd" * 32)
     assert refused.value.kind == "refused"
 
 
@@ -133,19 +133,19 @@ def test_join_without_a_path_service_or_with_something_else_there_is_one_line(tm
     monkeypatch.setattr(paths, "CONNECT_S", 0.2)
     token = tmp_path / "auth_token"
     with closed_port() as port, pytest.raises(UserError) as older:
-        cluster_commands.find_paths("127.0.0.1", port, TOKEN, token)
+        path_client.find_paths("127.0.0.1", port, TOKEN, token)
     assert str(older.value).startswith(
         f"127.0.0.1:{port}: no path service listens there (Connection refused): the head runs an older raytrm, or "
         "its path service listens on another port; restart the head with this raytrm"
     )
     for kind, why in (("close", "it closed the connection before a greeting"), ("grpc", "no greeting within 0.2 s")):
         with listening(kind) as port, pytest.raises(UserError) as other:
-            cluster_commands.find_paths("127.0.0.1", port, TOKEN, token)
+            path_client.find_paths("127.0.0.1", port, TOKEN, token)
         assert str(other.value).startswith(
             f"127.0.0.1:{port}: something answers there, but not as raytrm's path service ({why}"
         ), other.value
     with service() as port, pytest.raises(UserError) as wrong:
-        cluster_commands.find_paths("127.0.0.2", port, "cd" * 32, token)
+        path_client.find_paths("127.0.0.2", port, "cd" * 32, token)
     assert str(wrong.value) == (
         f"the path service at 127.0.0.2:{port} refused the cluster token at {token}: it is not the head's; copy the "
         "head's"
@@ -153,10 +153,10 @@ def test_join_without_a_path_service_or_with_something_else_there_is_one_line(tm
 
 
 def test_the_path_service_port_is_rays_plus_one_unless_given_and_never_rays_own():
-    assert cluster_commands._paths_port(6379, None) == 6380 and cluster_commands._paths_port(7000, 7100) == 7100
+    assert path_client.service_port(6379, None) == 6380 and path_client.service_port(7000, 7100) == 7100
     for port, given in ((6379, 6379), (6379, 8265)):
         with pytest.raises(UserError, match=rf"^--paths-port {given}: Ray's own port; give another"):
-            cluster_commands._paths_port(port, given)
+            path_client.service_port(port, given)
 
 
 def test_status_names_the_path_a_node_joined_by_where_it_is_not_its_ray_address():
