@@ -130,6 +130,7 @@ def join(
     chosen = paths.choose(measured)
     spec = nodes.this_node(node_ip, tier, head_ip)
     spec.path = node_ip or (chosen.local if chosen else None)
+    spec.path_head = None if node_ip or chosen is None else chosen.remote
     env = _environment(token, spec)
     nodes.run_ray(nodes.start_command(spec, f"{host}:{port}", object_store_mb=object_store_mb), env, "ray start")
     try:

@@ -4,8 +4,8 @@
 Ray's own traffic goes through each node's Ray address, which every Mac of the cluster reaches; the gradient sync,
 the bulk of a run's traffic, goes where this plan says. gloo binds one interface per process and every rank dials
 every other at the address it binds, so the run needs one network that all its nodes are on: with two Macs, the
-path `join` chose (a Thunderbolt bridge); with a third Mac on the LAN alone, the LAN. A node records the address of
-the path it chose as its `raytrm/path` label; the head has none (it measured nothing).
+path `join` chose (a Thunderbolt bridge); with a third Mac on the LAN alone, the LAN. A node that joined records the
+ends of the path it chose as its `raytrm/path` (its own address) and `raytrm/path-head` labels; the head has none.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from raytrm.distributed.node import GLOO_IFNAME_ENV, PATH_LABEL
+from raytrm.distributed.node import GLOO_IFNAME_ENV, PATH_HEAD_LABEL, PATH_LABEL
 from raytrm.distributed.paths import Interface
 
 logger = logging.getLogger(__name__)
@@ -25,17 +25,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class NodeNet:
-    """What the plan knows of one node: its Ray address, its interfaces and the address of the path it joined by."""
+    """What the plan knows of one node: its Ray address, its interfaces, and the ends of the path it joined by (its
+    own address there and the head's)."""
 
     node_id: str
     node_ip: str
     interfaces: tuple[Interface, ...]
     path: str | None = None
+    path_head: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NodeNet:
         found = tuple(Interface.from_dict(i) for i in d["interfaces"])
-        return cls(str(d["node_id"]), str(d["node_ip"]), found, d.get("path") or None)
+        return cls(str(d["node_id"]), str(d["node_ip"]), found, d.get("path") or None, d.get("path_head") or None)
 
 
 def _inside(ip: str | None, net: ipaddress.IPv4Network) -> bool:
@@ -61,7 +63,14 @@ def plan(nodes: Sequence[NodeNet]) -> dict[str, Interface] | None:
         return sum(_inside(n.path, net) for n in unique), sum(_inside(n.node_ip, net) for n in unique)
 
     best = max(shared, key=score)  # the first of equals, in a stable order
-    return {n.node_id: next(i for i in n.interfaces if _inside(i.ip, best)) for n in unique}
+    # A Mac may hold two addresses on one network (Wi-Fi and Ethernet on one LAN): the ends join measured come first.
+    ends = {a for n in unique for a in (n.path, n.path_head) if a}
+
+    def pick(n: NodeNet) -> Interface:
+        inside = [i for i in n.interfaces if _inside(i.ip, best)]
+        return next((i for i in inside if i.ip in ends), inside[0])
+
+    return {n.node_id: pick(n) for n in unique}
 
 
 def describe(plan_: dict[str, Interface] | None, nodes: Sequence[NodeNet]) -> str:
@@ -84,14 +93,18 @@ def node_here() -> dict[str, Any]:
     from raytrm.distributed.paths import interfaces
 
     context = ray.get_runtime_context()
-    path = context.get_node_labels().get(PATH_LABEL)
-    if isinstance(path, list):
-        path = path[0] if path else None
+    labels = context.get_node_labels()
+
+    def label(key: str) -> str | None:
+        value = labels.get(key)
+        return (value[0] if value else None) if isinstance(value, list) else value
+
     return {
         "node_id": context.get_node_id(),
         "node_ip": ray.util.get_node_ip_address(),
         "interfaces": [vars(i) for i in interfaces()],
-        "path": path,
+        "path": label(PATH_LABEL),
+        "path_head": label(PATH_HEAD_LABEL),
     }
 
 

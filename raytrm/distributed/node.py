@@ -30,7 +30,7 @@ LABEL_PREFIX = "raytrm/"
 VERSION_KEYS = ("python", "ray", "torch", "raytrm")
 #: The label of a node that joined: its address on the path to the head that `join` measured fastest, where the
 #: gradient sync goes (raytrm.distributed.gloo_path).
-PATH_LABEL = f"{LABEL_PREFIX}path"
+PATH_LABEL, PATH_HEAD_LABEL = f"{LABEL_PREFIX}path", f"{LABEL_PREFIX}path-head"  # and the head's end of that path
 # Ray caps a Mac's object store at 2 GiB; raytrm moves checkpoints and results through it, never datasets, so a
 # small store leaves the memory to the training budget.
 OBJECT_STORE_MIN, OBJECT_STORE_MAX, OBJECT_STORE_FRACTION = 512 * 2**20, 2 * 2**30, 0.05
@@ -130,12 +130,15 @@ class NodeSpec:
     versions: dict[str, str]
     memory_bytes: int
     path: str | None = None  # where it joined: its address on the path measured fastest to the head
+    path_head: str | None = None  # the head's address on that path
 
     def labels(self) -> dict[str, str]:
         out = {f"{LABEL_PREFIX}tier": self.tier, f"{LABEL_PREFIX}budget-mb": str(self.memory_budget_mb)}
         out.update({f"{LABEL_PREFIX}{k}": _label_value(self.versions.get(k, "unknown")) for k in VERSION_KEYS})
         if self.path:
             out[PATH_LABEL] = self.path
+        if self.path_head:
+            out[PATH_HEAD_LABEL] = self.path_head
         return out
 
     def resources(self) -> dict[str, int]:

@@ -82,6 +82,15 @@ def test_three_macs_with_mixed_links_sync_over_the_network_all_three_share():
     assert plan([studio, mba])["mba"] == BRIDGE["mba"]  # type: ignore[index]
 
 
+def test_of_two_addresses_on_one_network_the_ends_join_measured_are_bound():
+    # A MacBook head whose Wi-Fi (en0) and USB Ethernet (en7) are both on the LAN; join measured the Ethernet.
+    wifi, ethernet = Interface("en0", "192.168.1.20", 24), Interface("en7", "192.168.1.10", 24)
+    studio = NodeNet("studio", wifi.ip, (wifi, ethernet))
+    mba = NodeNet("mba", "192.168.1.11", (LAN["mba"],), path="192.168.1.11", path_head=ethernet.ip)
+    assert plan([studio, mba]) == {"studio": ethernet, "mba": LAN["mba"]}
+    assert plan([studio, NodeNet("mba", "192.168.1.11", (LAN["mba"],))])["studio"] == wifi  # type: ignore[index]
+
+
 def test_one_node_or_no_shared_network_keeps_each_nodes_own_interface():
     studio = node("studio")
     assert plan([studio]) is None
