@@ -6,8 +6,10 @@ answers at, is one line."""
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
+import signal
 import sys
 import time
 
@@ -87,7 +89,8 @@ def test_the_direct_link_is_chosen_every_time_and_the_lan_once_it_is_down(rig):
         nobody = one_line(mba.raytrm("cluster", "paths", "10.232.0.99"))
         assert nobody.startswith("raytrm: error: 10.232.0.99:6380: cannot reach the head there ("), nobody
     finally:
-        service.kill()
+        for pid in services(studio):  # the service itself, inside the host: killing its nsenter leaves it running
+            os.kill(pid, signal.SIGKILL)
         service.wait()
 
 
@@ -138,13 +141,17 @@ def test_head_and_join_record_the_direct_link_and_the_sync_goes_through_it(rig, 
     finally:
         mba.raytrm("cluster", "stop")
         studio.raytrm("cluster", "stop")
-    left = [p for p in studio.pids() if "path_service" in " ".join(_cmdline(p))]
-    assert not left and not (studio.root / "ray" / "raytrm_paths.pid").exists()
+    assert not services(studio) and not (studio.root / "ray" / "raytrm_paths.pid").exists()
 
 
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().decode(errors="replace").split("\0")
-    except OSError:
-        return []
+def services(host) -> list[int]:
+    """The host's path service processes (by their ids on this machine)."""
+    found = []
+    for pid in host.pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"raytrm.distributed.path_service" in f.read():
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
