@@ -419,7 +419,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(f"joined {done['head']} as a node of tier {done['tier']} at {done['address']}")
         return cluster.block() if args.block else 0
     elif args.action == "paths":
-        _print_paths(cluster.measure(args.head, args.token_file, args.paths_port))
+        _print_paths(cluster.measure(args.head, args.token_file, args.paths_port), joined=False)
     elif args.action == "status":
         print(cluster.format_status(cluster.status(args.address, args.token_file, link=args.link)))
     else:
@@ -427,16 +427,19 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_paths(done: dict) -> None:
-    """The paths to the head as measured, and the one the gradient sync takes."""
+def _print_paths(done: dict, joined: bool = True) -> None:
+    """The paths to the head as measured, and the one the gradient sync takes (or would take, not joined)."""
     from raytrm.distributed.paths import table
 
     print(f"paths to the head {done['head'].rpartition(':')[0]}, measured from this Mac:")
     print(table(done["paths"], done["chosen"]))
-    if done.get("path") and done["chosen"] is None:
+    chosen = done["chosen"]
+    if done.get("path") and chosen is None:
         print(f"the gradient sync takes the path of --node-ip {done['path']}, as given")
-    elif done["chosen"] is not None:
-        print(f"the gradient sync takes the fastest: {done['chosen'].interface} {done['chosen'].local}")
+    elif chosen is not None and joined:
+        print(f"the gradient sync takes the fastest: {chosen.interface} {chosen.local}")
+    elif chosen is not None:
+        print(f"the fastest: {chosen.interface} {chosen.local} (`raytrm cluster join` takes it for the gradient sync)")
 
 
 #: argparse's words for a value its type refused, and how raytrm says what was expected.

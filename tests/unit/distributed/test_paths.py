@@ -175,3 +175,20 @@ def test_status_names_the_path_a_node_joined_by_where_it_is_not_its_ray_address(
     assert cluster_commands.format_status(report).splitlines()[1].endswith("free  (joined by the path of 10.0.0.2)")
     report = {"nodes": [row | {"address": "192.168.1.11", "path": "192.168.1.11"}], "jobs": []}
     assert cluster_commands.format_status(report).splitlines()[1].endswith("free")
+
+
+def test_join_and_paths_say_which_path_the_sync_takes(capsys):
+    from raytrm.cli import _print_paths
+
+    _print_paths({"head": "10.0.0.1:6379", "paths": [TB, WIFI], "chosen": TB})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "paths to the head 10.0.0.1, measured from this Mac:" and out[2].endswith("chosen")
+    assert out[-1] == "the gradient sync takes the fastest: bridge0 10.0.0.2"
+    _print_paths({"head": "10.0.0.1:6379", "paths": [TB, WIFI], "chosen": TB}, joined=False)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "the fastest: bridge0 10.0.0.2 (`raytrm cluster join` takes it for the gradient sync)"
+    )
+    _print_paths({"head": "10.0.0.1:6379", "paths": [TB, WIFI], "chosen": None, "path": "192.168.1.21"})
+    out = capsys.readouterr().out.splitlines()
+    assert not any(line.endswith("chosen") for line in out)
+    assert out[-1] == "the gradient sync takes the path of --node-ip 192.168.1.21, as given"
