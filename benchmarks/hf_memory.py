@@ -8,13 +8,15 @@ leave unset), under the loop and the governor that command runs: the governor pr
 (records padded to L), fits peak = fixed + per-sample x micro-batch, approaches the largest cut whose prediction
 stays under (1 - margin) of the budget, and shrinks a cut whose step peaks above the high-water mark. The run goes on
 until `steady` steps in a row ran at one cut on their own records with no adaptation (or `max_steps`); the row is
-those steady steps.
+those steady steps. Then `widest_steps` more steps run at that cut with every record padded to max length (as the
+governor's probe runs them), measured outside the governor: the costliest records the cut may meet, which is what
+the governor sizes the cut for. Records of varied length run shorter than that, so their steps peak lower.
 
 The peak is the governor's own measure (raytrm.train.memory.peak.PeakMemory, around each step): on Linux the
 kernel's high-water mark of the process's whole resident memory during the step (VmHWM, reset to the resident size
 when the step starts), not its growth over a baseline; the budget is compared with that absolute figure. A row's peak
-is the highest of its steady steps, the figure summary.json reports as peak_step_mb. The goal: that peak under the
-budget and at least GOAL_FLOOR of it.
+is the highest of its steady steps (the figure summary.json reports as peak_step_mb), and likewise of its widest
+steps. The goal: that peak under the budget and at least GOAL_FLOOR of it.
 
 The budget is given (--budget-mb, one for every length or one per length). It must force a cut: the row gives the
 fit's prediction for the whole global batch beside it (a full batch at max length is not measured: it may not fit
@@ -35,6 +37,8 @@ from pathlib import Path
 from raytrm import config as cfg
 from raytrm.errors import UserError
 from raytrm.train.loop import Hook, Loop, Step
+from raytrm.train.memory.peak import PeakMemory
+from raytrm.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -60,15 +64,22 @@ class GovernorRow:
     global_batch: int
     threads: int
     budget_mb: float
-    #: The micro-batch of the steady steps (the governor's settled cut).
+    #: The micro-batch the steady steps ran (the largest of the trainer's even cut of the global batch at the
+    #: governor's), and the governor's own.
     micro_batch: int
+    governor_micro_batch: int
     steady_steps: int
-    #: The steady steps' peaks: the highest (the row's peak), the median and the lowest.
+    #: The steady steps' peaks, on their own records: the highest (the row's peak), the median and the lowest.
     peak_mb: float
     median_peak_mb: float
     min_peak_mb: float
     fraction: float  # peak / budget
     goal: bool  # peak < budget and peak >= GOAL_FLOOR x budget
+    #: The highest peak of `widest_steps` more steps at that cut with every record at max length (widest_peaks).
+    widest_peak_mb: float
+    widest_fraction: float
+    widest_goal: bool
+    widest_steps: int
     #: The fit's peak at the settled micro-batch and at the whole global batch.
     predicted_mb: float | None
     full_batch_predicted_mb: float | None
@@ -167,11 +178,11 @@ def measure_row(
     threads: int,
     steady: int,
     max_steps: int,
+    widest_steps: int,
 ) -> GovernorRow:
     """Train under the governor until it has held one cut for `steady` steps; the row of those steps."""
     from benchmarks.hf import busy_seconds, others_cores
     from raytrm.train.run.memory_budget import MemoryBudget
-    from raytrm.train.trainer import Trainer
 
     experiment = experiment_for(model_dir, records, max_length, global_batch, budget_mb, threads, max_steps)
     trainer = Trainer(experiment)
@@ -182,6 +193,7 @@ def measure_row(
         started, before = time.perf_counter(), busy_seconds()
         Loop(trainer, [memory, watch]).run()
         seconds, others = time.perf_counter() - started, others_cores(before, busy_seconds())
+        widest = widest_peaks(trainer, widest_steps)
     finally:
         trainer.close()
     governor = memory.governor
@@ -190,6 +202,7 @@ def measure_row(
         raise RuntimeError(f"max length {max_length}: no steady step in {max_steps} steps; raise --max-steps")
     peaks = [s.peak_bytes for s in tail]
     peak, fraction, goal = judge(peaks, governor.budget_bytes)
+    widest_peak, widest_fraction, widest_goal = judge(widest, governor.budget_bytes)
     micro = tail[0].micro_batch
     predicted, full = governor.predicted_peak(micro), governor.predicted_peak(global_batch)
     return GovernorRow(
@@ -198,12 +211,17 @@ def measure_row(
         threads=threads,
         budget_mb=governor.budget_bytes / MiB,
         micro_batch=micro,
+        governor_micro_batch=governor.micro_batch,
         steady_steps=len(tail),
         peak_mb=peak / MiB,
         median_peak_mb=statistics.median(peaks) / MiB,
         min_peak_mb=min(peaks) / MiB,
         fraction=fraction,
         goal=goal,
+        widest_peak_mb=widest_peak / MiB,
+        widest_fraction=widest_fraction,
+        widest_goal=widest_goal,
+        widest_steps=len(widest),
         predicted_mb=None if predicted is None else predicted / MiB,
         full_batch_predicted_mb=None if full is None else full / MiB,
         fit=governor.fit.to_dict() if governor.fit else None,
@@ -214,6 +232,18 @@ def measure_row(
         events=list(governor.events),
         others_cores=others,
     )
+
+
+def widest_peaks(trainer: Trainer, steps: int) -> list[int]:
+    """The peaks of a few more steps at the trainer's cut with every record at max length: the costliest records
+    the settled cut may meet, measured as the loop measures a step, outside the governor."""
+    trainer.widest = True
+    peaks = []
+    for _ in range(steps):
+        with PeakMemory(trainer.device.type) as peak:
+            trainer.train_step()
+        peaks.append(peak.bytes)
+    return peaks
 
 
 def _row_in_child(cache: Path, level: int, *args: object) -> GovernorRow:
@@ -232,6 +262,7 @@ def bench_governor(
     threads: int,
     steady: int,
     max_steps: int,
+    widest_steps: int,
     work: Path,
     model: str | None = None,
     corpus: Path | None = None,
@@ -249,7 +280,7 @@ def bench_governor(
     for max_length, budget in zip(max_lengths, budgets, strict=True):
         logger.info("max length %d: budget %.0f MiB, global batch %d", max_length, budget, global_batch)
         with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as child:
-            args = (model_dir, records, max_length, global_batch, budget, threads, steady, max_steps)
+            args = (model_dir, records, max_length, global_batch, budget, threads, steady, max_steps, widest_steps)
             level = logging.getLogger().getEffectiveLevel()
             row = child.submit(_row_in_child, work / "cache", level, *args).result()
         logger.info("%s", format_rows([row]))
@@ -260,22 +291,25 @@ def bench_governor(
 def format_rows(rows: list[GovernorRow]) -> str:
     head = (
         f"{'max len':>7} {'batch':>5} {'budget MiB':>10} {'micro':>5} {'steady':>6} {'peak MiB min/med/max':>20} "
-        f"{'peak/budget':>11} {'fit MiB':>7} {'fit full':>8} {'goal':>4} {'steps':>5} {'others':>6}"
+        f"{'peak/budget':>11} {'widest MiB':>10} {'widest/budget':>13} {'fit MiB':>7} {'fit full':>8} "
+        f"{'goal own/widest':>15} {'steps':>5} {'others':>6}"
     )
     lines = [head]
     for r in rows:
         peaks = f"{r.min_peak_mb:.0f}/{r.median_peak_mb:.0f}/{r.peak_mb:.0f}"
         fit = f"{r.predicted_mb:.0f}" if r.predicted_mb is not None else ""
         full = f"{r.full_batch_predicted_mb:.0f}" if r.full_batch_predicted_mb is not None else ""
+        goals = "/".join("yes" if g else "no" for g in (r.goal, r.widest_goal))
         others = f"{r.others_cores:.2f}" if r.others_cores is not None else ""
         lines.append(
             f"{r.max_length:>7} {r.global_batch:>5} {r.budget_mb:>10.0f} {r.micro_batch:>5} {r.steady_steps:>6} "
-            f"{peaks:>20} {r.fraction:>11.3f} {fit:>7} {full:>8} {'yes' if r.goal else 'no':>4} {r.steps:>5} "
-            f"{others:>6}"
+            f"{peaks:>20} {r.fraction:>11.3f} {r.widest_peak_mb:>10.0f} {r.widest_fraction:>13.3f} {fit:>7} "
+            f"{full:>8} {goals:>15} {r.steps:>5} {others:>6}"
         )
     lines.append(
-        f"peak: the highest step peak (VmHWM, the process's resident high-water mark) of the steady steps; goal: "
-        f"peak < budget and >= {GOAL_FLOOR:g} of it; fit: the governor's line at the micro-batch and the global batch"
+        "peak: a step's resident high-water mark (VmHWM, the whole process), the governor's measure; steady: steps "
+        "at the settled cut on their own records; widest: more steps at that cut, every record at max length; goal: "
+        f"peak < budget and >= {GOAL_FLOOR:g} of it; fit: the governor's line at the cut and at the global batch"
     )
     return "\n".join(lines)
 

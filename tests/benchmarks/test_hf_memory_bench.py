@@ -56,19 +56,24 @@ def test_one_budget_serves_every_length_or_one_each():
         budgets_for([256, 512], [1, 2, 3])
 
 
-def test_the_row_line_says_whether_the_goal_holds():
+def test_the_row_line_says_whether_each_goal_holds():
     row = hf_memory.GovernorRow(
         max_length=512,
         global_batch=64,
         threads=2,
         budget_mb=2600,
         micro_batch=3,
+        governor_micro_batch=3,
         steady_steps=8,
-        peak_mb=2400,
-        median_peak_mb=2350,
-        min_peak_mb=2300,
-        fraction=2400 / 2600,
-        goal=True,
+        peak_mb=2000,
+        median_peak_mb=1950,
+        min_peak_mb=1900,
+        fraction=2000 / 2600,
+        goal=False,
+        widest_peak_mb=2400,
+        widest_fraction=2400 / 2600,
+        widest_goal=True,
+        widest_steps=2,
         predicted_mb=2300,
         full_batch_predicted_mb=20000,
         fit=None,
@@ -76,8 +81,8 @@ def test_the_row_line_says_whether_the_goal_holds():
         settled_at=5,
         seconds=1.0,
     )
-    line = hf_memory.format_rows([row]).splitlines()[1].split()
-    assert line == ["512", "64", "2600", "3", "8", "2300/2350/2400", "0.923", "2300", "20000", "yes", "12"]
+    line = hf_memory.format_rows([row]).splitlines()[1]
+    assert line.split() == "512 64 2600 3 8 1900/1950/2000 0.769 2400 0.923 2300 20000 no/yes 12".split()
 
 
 @pytest.mark.slow
@@ -98,10 +103,22 @@ def test_a_row_trains_under_the_governor_until_it_holds_a_cut(tmp_path, monkeypa
     monkeypatch.setattr("benchmarks.hf_corpus.build_corpus", lambda directory, per_label: records)
     out = tmp_path / "governor.json"
     argv = ["memory", "--model", "hf", "--model-path", str(model), "--max-lengths", "32", "--global-batch", "16"]
-    argv += ["--budget-mb", "100000", "--steady-steps", "2", "--max-steps", "12", "--json", str(out)]
+    argv += [
+        "--budget-mb",
+        "100000",
+        "--steady-steps",
+        "2",
+        "--max-steps",
+        "12",
+        "--widest-steps",
+        "1",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     (row,) = json.loads(out.read_text())["results"]["governor"]
     assert row["max_length"] == 32 and row["steady_steps"] == 2 and row["micro_batch"] == 16
     assert row["trace"][0]["widest"] and not row["trace"][-1]["widest"]
     assert row["peak_mb"] == max(s["peak_mb"] for s in row["trace"][-2:])
+    assert row["widest_steps"] == 1 and row["widest_peak_mb"] > 0
     assert "peak/budget" in capsys.readouterr().out
