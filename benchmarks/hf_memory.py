@@ -15,8 +15,8 @@ the governor sizes the cut for. Records of varied length run shorter than that, 
 The peak is the governor's own measure (raytrm.train.memory.peak.PeakMemory, around each step): on Linux the
 kernel's high-water mark of the process's whole resident memory during the step (VmHWM, reset to the resident size
 when the step starts), not its growth over a baseline; the budget is compared with that absolute figure. A row's peak
-is the highest of its steady steps (the figure summary.json reports as peak_step_mb), and likewise of its widest
-steps. The goal: that peak under the budget and at least GOAL_FLOOR of it.
+is the highest of its steady steps, and likewise of its widest steps (summary.json's peak_step_mb is the highest over
+a whole run, the probe's steps included). The goal: that peak under the budget and at least GOAL_FLOOR of it.
 
 The budget is given (--budget-mb, one for every length or one per length). It must force a cut: the row gives the
 fit's prediction for the whole global batch beside it (a full batch at max length is not measured: it may not fit
@@ -199,7 +199,9 @@ def measure_row(
     governor = memory.governor
     tail = steady_tail(watch.steps)
     if not tail:
-        raise RuntimeError(f"max length {max_length}: no steady step in {max_steps} steps; raise --max-steps")
+        raise UserError(
+            f"max length {max_length}: the governor still moved its cut at step {max_steps}; fix: raise --max-steps"
+        )
     peaks = [s.peak_bytes for s in tail]
     peak, fraction, goal = judge(peaks, governor.budget_bytes)
     widest_peak, widest_fraction, widest_goal = judge(widest, governor.budget_bytes)
