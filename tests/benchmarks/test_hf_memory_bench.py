@@ -82,7 +82,21 @@ def test_the_row_line_says_whether_each_goal_holds():
         seconds=1.0,
     )
     line = hf_memory.format_rows([row]).splitlines()[1]
-    assert line.split() == "512 64 2600 3 8 1900/1950/2000 0.769 2400 0.923 2300 20000 no/yes 12".split()
+    assert line.split() == [
+        "512",
+        "64",
+        "2600",
+        "3",
+        "8",
+        "1900/1950/2000",
+        "0.769",
+        "2400",
+        "0.923",
+        "2300",
+        "20000",
+        "no/yes",
+        "12",
+    ]
 
 
 @pytest.mark.slow
