@@ -91,13 +91,16 @@ class TunedResult:
     raytrm: Side
     #: raytrm's clock at its first evaluation at or above the target; None where it did not reach it in the limit.
     seconds_to_target: float | None
+    #: The samples raytrm had trained on then: against the Trainer's, the part of the ratio the machine's load leaves
+    #: alone (the rest is the two sides' samples/s).
+    samples_to_target: int | None
     ratio: float | None  # seconds_to_target / the Trainer's train_seconds
     goal: float
 
 
-def time_to_target(curve: Sequence[dict[str, float]], target: float) -> float | None:
-    """The seconds of the first point of a curve whose macro-F1 reaches the target; None if none does."""
-    return next((p["seconds"] for p in curve if p["macro_f1"] >= target), None)
+def first_reaching(curve: Sequence[dict[str, float]], target: float) -> dict[str, float] | None:
+    """The first point of a curve whose macro-F1 reaches the target (its seconds, samples, step); None if none does."""
+    return next((p for p in curve if p["macro_f1"] >= target), None)
 
 
 def score_model(model: torch.nn.Module, held_out: Any, batch_size: int) -> dict[str, float]:
@@ -165,6 +168,7 @@ def run_trainer_defaults(model_dir: Path, train_data: Any, held_out: Any, eval_b
             clock["off"] += time.perf_counter() - begin
             samples = round(state.epoch * len(train_data))
             curve.append({"step": state.global_step, "samples": samples, "seconds": seconds, **scores})
+            logger.info("Trainer epoch %g, %.1f s: macro-F1 %.4f", state.epoch, seconds, scores["macro_f1"])
 
     trainer = Trainer(
         model=model,
@@ -353,7 +357,8 @@ def bench_hf_tuned(
         limit_s = limit * theirs.train_seconds
         logger.info("raytrm at %s: to macro-F1 %.4f, or %.0f s", profile, target, limit_s)
         ours = run_raytrm_profile(experiment, target, limit_s, eval_every, to_limit, (train_data, held_out))
-    seconds = time_to_target(ours.curve, target)
+    reached = first_reaching(ours.curve, target)
+    seconds = reached["seconds"] if reached is not None else None
     return TunedResult(
         profile=str(profile),
         records=str(experiment.data.path),
@@ -369,6 +374,7 @@ def bench_hf_tuned(
         trainer=theirs,
         raytrm=ours,
         seconds_to_target=seconds,
+        samples_to_target=int(reached["samples"]) if reached is not None else None,
         ratio=seconds / theirs.train_seconds if seconds is not None else None,
         goal=goal,
     )
@@ -396,9 +402,12 @@ def format_result(r: TunedResult) -> str:
         met = "met" if r.ratio is not None and r.ratio <= r.goal else "missed"
         verdict = (
             f"raytrm {r.seconds_to_target:.1f} s = {r.ratio:.2f} x the Trainer's {r.trainer.train_seconds:.1f} s "
-            f"(goal <= {r.goal:g}: {met})"
+            f"(goal <= {r.goal:g}: {met}), at {r.samples_to_target} samples = "
+            f"{r.samples_to_target / r.trainer.samples:.2f} x the Trainer's {r.trainer.samples}"
         )
     lines.append(f"time to the Trainer's final macro-F1 {r.target:.4f}: {verdict}")
+    rates = [f"{s.name} {s.samples / max(s.train_seconds, 1e-9):.2f}" for s in (r.trainer, r.raytrm)]
+    lines.append(f"samples/s on each clock (setup and evaluations left out, warm-up in): {', '.join(rates)}")
     for s in (r.trainer, r.raytrm):
         points = "  ".join(f"{p['step']:.0f}:{p['seconds']:.0f}s:{p['macro_f1']:.3f}" for p in s.curve)
         lines.append(f"{s.name} curve (step:seconds:macro-F1)  {points}")

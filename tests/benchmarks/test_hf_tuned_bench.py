@@ -21,10 +21,10 @@ def point(step, seconds, macro_f1):
 
 def test_the_time_to_target_is_the_first_point_that_reaches_it():
     curve = [point(5, 10.0, 0.30), point(10, 20.0, 0.71), point(15, 30.0, 0.69), point(20, 40.0, 0.75)]
-    assert hf_tuned.time_to_target(curve, 0.71) == 20.0  # reached exactly, and a later dip below does not undo it
-    assert hf_tuned.time_to_target(curve, 0.72) == 40.0
-    assert hf_tuned.time_to_target(curve, 0.76) is None
-    assert hf_tuned.time_to_target([], 0.1) is None
+    assert hf_tuned.first_reaching(curve, 0.71) is curve[1]  # reached exactly; a later dip below does not undo it
+    assert hf_tuned.first_reaching(curve, 0.72) is curve[3]
+    assert hf_tuned.first_reaching(curve, 0.76) is None
+    assert hf_tuned.first_reaching([], 0.1) is None
 
 
 class FakeTrainer:
@@ -138,10 +138,10 @@ def test_both_sides_train_on_raytrms_split_and_the_ratio_is_read_off_raytrms_cur
             >= r["target"]
             > max(p["macro_f1"] for p in ours["curve"][:-1] or [point(0, 0, -1)])
         )
-        assert r["seconds_to_target"] == seconds[-1]
+        assert (r["seconds_to_target"], r["samples_to_target"]) == (seconds[-1], ours["samples"])
         assert r["ratio"] == pytest.approx(seconds[-1] / theirs["train_seconds"])
     else:
-        assert ours["stop"] == "time budget" and r["seconds_to_target"] is None and r["ratio"] is None
+        assert ours["stop"] == "time budget" and r["seconds_to_target"] is r["samples_to_target"] is r["ratio"] is None
     assert "time to the Trainer's final macro-F1" in capsys.readouterr().out
 
 
