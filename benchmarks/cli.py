@@ -407,6 +407,35 @@ def run_hf(args: argparse.Namespace, work: Path) -> object:
     return hf.as_json(rows)
 
 
+def hf_tuned_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        required=True,
+        help="the tier's profile that `raytrm tune` wrote for an hf classifier: its model, records and settings",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch threads of each side (default: the profile's)")
+    p.add_argument("--eval-every", type=int, default=5, help="raytrm's steps between two held-out scores")
+    p.add_argument(
+        "--limit", type=float, default=1.0, help="raytrm's time limit, in multiples of the Trainer's training time"
+    )
+    p.add_argument(
+        "--to-limit",
+        action="store_true",
+        help="train raytrm to the limit, scoring as it goes, rather than stopping once it reaches the target",
+    )
+
+
+def run_hf_tuned(args: argparse.Namespace, work: Path) -> object:
+    from benchmarks import hf_tuned
+
+    result = hf_tuned.bench_hf_tuned(
+        Path(args.profile), work, args.threads, args.eval_every, args.limit, to_limit=args.to_limit
+    )
+    print(hf_tuned.format_result(result))
+    return hf_tuned.as_json(result)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[..., object] | None]] = {
     "trm": (
         "TRM training samples/s and the fraction of this machine's matmul rate, beside the reference's step",
@@ -446,6 +475,12 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
         "varied length",
         hf_flags,
         run_hf,
+    ),
+    "hf-tuned": (
+        "time to quality: raytrm with a tier's tuned profile against the transformers Trainer at its defaults, to "
+        "the Trainer's final validation macro-F1, on the same model and records",
+        hf_tuned_flags,
+        run_hf_tuned,
     ),
 }
 
