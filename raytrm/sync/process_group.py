@@ -154,8 +154,12 @@ class ProcessGroupSync:
 
     def overlapped(self, params: Sequence[torch.nn.Parameter]) -> OverlappedBuckets | None:
         """An all-reduce whose buckets start while a backward pass is still computing the rest (see the class);
-        None where overlap is off."""
-        return OverlappedBuckets(self, params) if self.overlap else None
+        None where overlap is off, or where the gradient fills one bucket (LoRA's adapters): that bucket could leave
+        only once the backward ends, so overlapping would hide nothing, and a step that overlaps runs its
+        micro-batches one after another rather than side by side on a CPU's threads."""
+        if not self.overlap or len(self.buckets(params)) < 2:
+            return None
+        return OverlappedBuckets(self, params)
 
     def gather_rows(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every worker's (ids, row gradients) of a sparse table, concatenated in rank order."""

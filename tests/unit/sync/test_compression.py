@@ -104,3 +104,17 @@ def test_an_abandoned_round_leaves_the_residual_and_a_saved_one_reloads(group):
     sent = torch.cat([p.grad for p in reversed(params)])
     wanted = torch.cat([g for g in reversed(grads)]) + before
     torch.testing.assert_close(sent + fresh.compression_state(), wanted, rtol=1e-6, atol=1e-6)
+
+
+def test_a_gradient_of_one_bucket_is_summed_after_the_backward_not_during_it(group):
+    """One bucket leaves only when the backward ends: no overlapped sum (the step keeps its threads side by side);
+    several buckets: the overlapped sum, its first buckets leaving during the backward."""
+    one = ProcessGroupSync(torch.device("cpu"), bucket_mb=1.0)
+    assert len(one.buckets(_params())) == 1
+    assert one.overlapped(_params()) is None
+    several = ProcessGroupSync(torch.device("cpu"), bucket_mb=0.001)
+    params = _params()
+    reducer = several.overlapped(params)
+    assert len(several.buckets(params)) == 3 and reducer is not None
+    reducer.close()
+    assert ProcessGroupSync(torch.device("cpu"), bucket_mb=0.001, overlap=False).overlapped(params) is None
