@@ -162,16 +162,10 @@ def tiny_bench(tmp_path, monkeypatch):
     """A tiny BERT classifier's directory, and the bench's corpus replaced by 40 records of its words."""
     pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from tests.support.hf_models import WORDS, classifier_dir
+    from tests.support.hf_models import classifier_dir, text_records
 
     model = classifier_dir(tmp_path / "model")
-    records = tmp_path / "records.csv"
-    rng = np.random.default_rng(0)
-    with records.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["text", "label"])
-        for i in range(40):
-            writer.writerow([" ".join(rng.choice(WORDS, size=int(rng.integers(2, 30)))), ("neg", "pos")[i % 2]])
+    records = text_records(tmp_path / "records.csv", 40, longest=30)
     monkeypatch.setattr(hf, "build_corpus", lambda directory, per_label: records)
     return model
 

@@ -4,10 +4,8 @@ classifier gives a row the governor settled."""
 
 from __future__ import annotations
 
-import csv
 import json
 
-import numpy as np
 import pytest
 
 from benchmarks import hf_memory
@@ -104,16 +102,10 @@ def test_a_row_trains_under_the_governor_until_it_holds_a_cut(tmp_path, monkeypa
     """A tiny classifier under a budget it cannot reach: the probe at its widest, then the whole batch, held."""
     pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from tests.support.hf_models import WORDS, classifier_dir
+    from tests.support.hf_models import classifier_dir, text_records
 
     model = classifier_dir(tmp_path / "model")
-    records = tmp_path / "records.csv"
-    rng = np.random.default_rng(0)
-    with records.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["text", "label"])
-        for i in range(200):
-            writer.writerow([" ".join(rng.choice(WORDS, size=int(rng.integers(2, 40)))), ("neg", "pos")[i % 2]])
+    records = text_records(tmp_path / "records.csv", 200, longest=40)
     monkeypatch.setattr("benchmarks.hf_corpus.build_corpus", lambda directory, per_label: records)
     out = tmp_path / "governor.json"
     argv = ["memory", "--model", "hf", "--model-path", str(model), "--max-lengths", "32", "--global-batch", "16"]

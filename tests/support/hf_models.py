@@ -153,3 +153,15 @@ def write_records(path, count=96, seed=0, labelled=True):
         writer.writeheader()
         writer.writerows(rows)
     return path
+
+
+def text_records(path, count, longest=30, seed=0):
+    """The hf benches' records.csv in little: a text field of 2 to `longest` of the tiny tokenizer's words and a
+    label field, "neg" and "pos" in turn."""
+    rng = np.random.default_rng(seed)
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text", "label"])
+        for i in range(count):
+            writer.writerow([" ".join(rng.choice(WORDS, size=int(rng.integers(2, longest)))), ("neg", "pos")[i % 2]])
+    return path
