@@ -37,6 +37,9 @@ def test_cluster_status_link_prints_the_rate_and_latency_of_a_sum(ray_cluster, t
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("link")]
-    rate = r"link between the 2 raytrm machines: ([\d.]+) Mbit/s and ([\d.]+) ms a sum \(gloo, as training sums\)"
+    rate = (
+        r"link between the 2 raytrm machines: ([\d.]+) Mbit/s and ([\d.]+) ms a sum "
+        r"\(gloo(?: through [^)]+)?, as training sums\)"
+    )
     found = re.fullmatch(rate, line)
     assert found and float(found[1]) > 8 and float(found[2]) < 1000, line
