@@ -1,0 +1,204 @@
+"""The run's membership (raytrm.sync.membership): a worker that stops answering costs the others one deadline, the
+others go on without a restart, and a worker that comes back enters at a round boundary with a live peer's state."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import signal
+import time
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from raytrm.sync.membership import ABANDONED, MIN_DEADLINE_S, View, deadline_s, is_peer_lost
+from tests.support import elastic_rounds
+
+NAMES = ["studio", "air", "mini"]
+
+
+def test_deadline_is_grace_times_the_sum_and_a_step_never_under_the_floor():
+    assert deadline_s(0.1, 0.2) == pytest.approx(max(0.9, MIN_DEADLINE_S))
+    assert deadline_s(1.0, 2.0) == pytest.approx(9.0)
+    assert deadline_s(0.0, 0.0) == MIN_DEADLINE_S
+
+
+def test_view_round_trips():
+    view = View(3, ("air", "mini", "studio"), admitted=("air",), left=("old",), joins_seen=2)
+    assert View.from_json(view.to_json().encode()) == view
+    assert view.rank("studio") == 2
+
+
+def test_gloo_words_for_a_lost_peer_are_recognised():
+    assert is_peer_lost(RuntimeError("[gloo/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation"))
+    assert is_peer_lost(RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:7557"))
+    assert not is_peer_lost(RuntimeError("CUDA out of memory"))
+    assert not is_peer_lost(ValueError("Timed out"))
+
+
+class Run:
+    """Workers of elastic_rounds in processes of their own, around a store served by this process."""
+
+    def __init__(self, plan: dict) -> None:
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+        )
+        self.plan = plan
+        self.context = mp.get_context("spawn")
+        self.results = self.context.Queue()
+        self.procs: dict[str, mp.Process] = {}
+        self.pids: dict[str, int] = {}
+        self.logs: dict[str, dict] = {}
+
+    def start(self, name: str, **extra) -> None:
+        plan = {**self.plan, **extra}
+        proc = self.context.Process(
+            target=elastic_rounds.worker, args=(name, self.store.port, plan, self.results), daemon=True
+        )
+        proc.start()
+        self.procs[name] = proc
+
+    def wait(self, kind: str, count: int, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        seen = 0
+        while seen < count:
+            try:
+                what, name, value = self.results.get(timeout=max(0.1, end - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"{count - seen} worker(s) never reported {kind!r}") from None
+            if what == "ready":
+                self.pids[name] = value
+            else:
+                self.logs[name] = value
+            seen += what == kind
+
+    def admitted(self, name: str, timeout: float = 120) -> None:
+        """Wait until a published view admits the worker."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            epoch = self.store.add("epoch", 0)
+            views = [self.store.get(f"view/{e}") for e in range(epoch + 1) if self.store.check([f"view/{e}"])]
+            if any(v != ABANDONED and name in View.from_json(v).admitted for v in views):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{name} was never admitted")
+
+    def stop(self) -> None:
+        """The workers end the run at their next round boundary."""
+        self.store.set("stop", "1")
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.terminate()
+            proc.join(timeout=10)
+
+
+@pytest.fixture
+def run_of():
+    runs = []
+
+    def make(plan: dict) -> Run:
+        runs.append(Run(plan))
+        return runs[-1]
+
+    yield make
+    for run in runs:
+        run.close()
+
+
+def _assert_every_round_once(logs: list[dict], rounds: int | None = None) -> None:
+    """Every round was summed in one epoch, by members of it only, and every worker at the end holds the sum of each
+    round's epoch size: nothing lost, nothing counted twice, whoever was left behind when."""
+    epochs: dict[int, set[tuple[int, int]]] = {}
+    for log in logs:
+        for r, epoch, size in log["rounds"]:
+            epochs.setdefault(r, set()).add((epoch, size))
+    assert sorted(epochs) == list(range(rounds if rounds is not None else max(epochs) + 1))
+    assert all(len(summed) == 1 for summed in epochs.values()), "a round summed in two epochs"
+    total = sum(size for (summed,) in epochs.values() for _, size in [summed])
+    for log in logs:
+        if not log.get("finished_outside"):
+            assert log["w"] == total
+
+
+@pytest.mark.slow  # worker processes and a stopped one's deadline
+def test_a_stopped_worker_costs_one_deadline_and_rejoins_with_the_live_state(run_of):
+    deadline, settle = 3.0, 1.0
+    run = run_of({"size": 3, "rounds": 10**9, "deadline": deadline, "settle": settle, "pace": 0.02})
+    for name in NAMES:
+        run.start(name)
+    run.wait("ready", 3)
+    time.sleep(0.5)
+    os.kill(run.pids["mini"], signal.SIGSTOP)  # a lid closed
+    time.sleep(2 * deadline + settle)
+    os.kill(run.pids["mini"], signal.SIGCONT)  # opened again
+    run.admitted("mini")
+    time.sleep(0.5)
+    run.stop()
+    run.wait("done", 3)
+
+    studio, air, mini = (run.logs[n] for n in NAMES)
+    for log in (studio, air):
+        assert max(log["waits"]) < deadline + 1.0  # the collective gave up at its deadline, not gloo's 30 minutes
+        assert max(log["regroups"]) < settle + 1.0  # and the next epoch formed within the settling time
+    assert mini.get("dropped", 0) >= 1
+    # the others went on in an epoch of two, then took mini back; none restarted
+    sizes = [len(members) for _, members in studio["epochs"]]
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3
+    # every round's sum was summed once, by the members of its epoch, and the rejoined worker holds the live state
+    _assert_every_round_once([studio, air, mini])
+    assert studio["w"] == air["w"] == mini["w"]
+    assert studio["final_epoch"] == air["final_epoch"] == mini["final_epoch"]
+
+
+@pytest.mark.slow  # a thousand rounds in worker processes
+def test_a_thousand_rounds_with_delays_never_hang_and_account_for_every_round(run_of):
+    deadline = 2.0
+    plan = {
+        "size": 3,
+        "rounds": 1000,
+        "deadline": deadline,
+        "settle": 1.0,
+        "delay_every": 50,
+        "delays": [0.5, 4.0],  # one inside the deadline (waited for), one past it (left behind, then back)
+        "names": NAMES,
+        "seed": 7,
+    }
+    run = run_of(plan)
+    for name in NAMES:
+        run.start(name)
+    run.wait("ready", 3)
+    run.wait("done", 3, timeout=300)
+    logs = [run.logs[n] for n in NAMES]
+    for log in logs:
+        assert max(log["waits"]) < deadline + 1.0
+    # those in the run at its end hold the same weights (one left behind at the very end may find the run over)
+    at_end = [log for log in logs if not log.get("finished_outside")]
+    assert len({log["w"] for log in at_end}) == 1
+    assert len({log["final_epoch"] for log in at_end}) == 1
+    _assert_every_round_once(logs, 1000)
+    assert any(log.get("dropped") for log in logs)  # a delay past the deadline left someone behind
+
+
+@pytest.mark.slow  # worker processes
+def test_a_new_worker_joins_mid_run_with_the_live_state(run_of):
+    run = run_of({"size": 2, "rounds": 10**9, "deadline": 3.0, "settle": 1.0, "pace": 0.02})
+    run.start("studio")
+    run.start("air")
+    run.wait("ready", 2)
+    time.sleep(0.5)
+    run.start("mini", join=True)
+    run.wait("ready", 1)
+    run.admitted("mini")
+    time.sleep(0.5)
+    run.stop()
+    run.wait("done", 3)
+    studio, air, mini = (run.logs[n] for n in NAMES)
+    assert [len(m) for _, m in studio["epochs"]] == [2, 3]
+    assert mini["epochs"][0][0] == 1 and mini["rounds"][0][0] > 0  # entered mid-run, at a boundary
+    assert studio["w"] == air["w"] == mini["w"]
+    _assert_every_round_once([studio, air, mini])
