@@ -199,7 +199,9 @@ class Membership:
         count = self._count(f"arrivals/{epoch}")
         arrived = [self.store.get(f"arrival/{epoch}/{i}").decode() for i in range(1, count + 1)]
         old = list(previous.members) if previous is not None else []
-        joins_seen, requests = (previous.joins_seen if previous is not None else 0), self._count("joins")
+        # The first epoch admits no one: a worker that asked to join before the run began enters at its first
+        # boundary, like any other, with the state the members reached.
+        joins_seen, requests = (previous.joins_seen, self._count("joins")) if previous is not None else (0, 0)
         # A slot is named a moment after it is taken; one never named (its worker died between) is skipped.
         named = (self._get(f"join/{i}", self.settle_s) for i in range(joins_seen, requests))
         joining = [name.decode() for name in named if name is not None]

@@ -213,11 +213,22 @@ class ProcessGroupSync:
     def any(self, flag: bool) -> bool:
         return self.sum_floats([1.0 if flag else 0.0])[0] > 0
 
-    def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's object on every rank (a checkpoint read on rank 0's disk, say)."""
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank src's object on every rank (a checkpoint read on rank 0's disk, say)."""
         box = [obj]
-        self.dist.broadcast_object_list(box, src=0, group=self.group, device=self.comm_device)
+        self.dist.broadcast_object_list(box, src=src, group=self.group, device=self.comm_device)
         return box[0]
+
+    # -- membership --------------------------------------------------------------------------------------------------
+
+    def regrouped(self) -> None:
+        """The default group was made anew for another set of workers (raytrm.sync.membership): this worker's rank
+        and the group's size are read again, and the group the bulk sums travel in is made again at the next one.
+        The buckets and their residuals stay: they are this worker's, whoever its peers."""
+        if self.group is not None:
+            raise RuntimeError("a ProcessGroupSync over a subgroup cannot follow a change of membership")
+        self.rank, self.world_size = self.dist.get_rank(), self.dist.get_world_size()
+        self._bulk = None
 
 
 def _groups(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

@@ -16,8 +16,12 @@ iteration:
 6. `end_step`: hooks exchange and record (peers, metrics rows, checkpoints), in list order; a stop they return is
    applied after them.
 
-After the last step, the sync strategy lands what it holds, then `finish` (final evaluation, last checkpoint). A
-failure ends the run with the exception; what the hooks hold (a metrics file) is closed by whoever built them. A new
+After the last step, the sync strategy lands what it holds, then `finish` (final evaluation, last checkpoint). In
+a run whose workers may come and go (`regroup`: raytrm.train.elastic), a peer lost in any collective of an
+iteration sends the loop to the next membership, after which the iteration runs again (the step redone, or
+skipped by a worker that takes a peer's state past it); every ADMIT_EVERY steps, at a boundary where the workers
+exchange, the members agree whether a worker waits to join, and admit it. Any other failure ends the run with the
+exception; what the hooks hold (a metrics file) is closed by whoever built them. A new
 behaviour (a health check, another stop rule) is one more hook, picked by the runs that need it; `stop_reason` says
 why a run ended. A hook reads the loop's state (`probing`, `exchanging`, the clock) but never writes it: what it
 decides, it returns.
@@ -29,7 +33,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Union
+from typing import Any, Protocol, Union
 
 from raytrm.train.memory.peak import PeakMemory, trim_heap
 from raytrm.train.torch_threads import apply_threads
@@ -130,6 +134,21 @@ class Hook:
     def finish(self, loop: Loop) -> None:
         """After the last step (not after a failure)."""
 
+    def on_regroup(self, loop: Loop) -> None:
+        """The run's workers changed (raytrm.train.elastic): per-worker state is made again for the new set."""
+
+
+class Regroup(Protocol):
+    """What the loop asks of a run whose workers come and go (raytrm.train.elastic.Elastic)."""
+
+    def lost(self, error: BaseException) -> bool: ...
+    def joins_waiting(self, loop: Loop) -> bool: ...
+    def recover(self, loop: Loop) -> list[dict[str, Any]]: ...
+
+
+#: Steps between two checks for workers waiting to join (at a boundary where the workers exchange).
+ADMIT_EVERY = 10
+
 
 class Loop:
     """Runs a Trainer under its hooks until one ends the run; holds what the hooks share.
@@ -146,8 +165,11 @@ class Loop:
         clock: Callable[[], float] = time.perf_counter,
         measure_peak: bool = True,
         logged: Callable[[int], bool] = lambda step: False,
+        regroup: Regroup | None = None,
     ) -> None:
         self.trainer, self.hooks, self.clock = trainer, list(hooks), clock
+        self.regroup = regroup
+        self._membership_events: list[dict[str, Any]] = []  # a change of workers, for the next step's events
         self.measure_peak, self.logged = measure_peak, logged
         self.stop_reason: str | None = None
         #: A hook halted the run after a step (a broken constraint): what was planned for its end is skipped.
@@ -225,16 +247,29 @@ class Loop:
             self.t = self.now()
             if self._stopping():
                 break
-            for hook in self.hooks:
-                hook.before_step(self)
-            step = self._step()
-            self.apply(_collect(hook.after_step(self, step) for hook in self.hooks))
-            self._recut()
-            self.apply(_collect(hook.end_step(self, step) for hook in self.hooks))
+            try:
+                self._iteration()
+            except Exception as error:
+                if self.regroup is None or not self.regroup.lost(error):
+                    raise
+                self._membership_events += self.regroup.recover(self)
+        strategy = self.trainer.strategy  # made anew when the workers changed
         strategy.finish()
         for hook in self.hooks:
             hook.finish(self)
         return self.stop_reason
+
+    def _iteration(self) -> None:
+        for hook in self.hooks:
+            hook.before_step(self)
+        step = self._step()
+        self.apply(_collect(hook.after_step(self, step) for hook in self.hooks))
+        self._recut()
+        self.apply(_collect(hook.end_step(self, step) for hook in self.hooks))
+        regroup = self.regroup
+        due = regroup is not None and self.exchanging and self.trainer.step % ADMIT_EVERY == 0
+        if due and self.agreed(regroup.joins_waiting(self)):  # every member asks at the same step
+            self._membership_events += regroup.recover(self)
 
     def _stopping(self) -> bool:
         if self.stop_reason is None:
@@ -257,6 +292,7 @@ class Loop:
         self._charge(step, synced.waited_s)
         self.exchanging = synced.exchanging
         step.events += synced.events
+        step.events, self._membership_events = self._membership_events + step.events, []
         self.step_end = self.now()
         return step
 

@@ -20,17 +20,23 @@ from raytrm.train.memory.fit import cut
 from raytrm.train.optim import load_optimizer_state
 
 
-def capture(trainer: Any) -> dict[str, Any]:
-    """Everything a resume needs (with several workers, a collective: the carry and the cuts are gathered)."""
+def capture(trainer: Any, gathered: bool = True) -> dict[str, Any]:
+    """Everything a resume needs (with several workers, a collective: the carry and the cuts are gathered).
+    Without `gathered`, this worker's alone and no collective: no carry, its own micro-batch (what a peer that
+    takes this worker's state after a change of workers needs, raytrm.train.elastic)."""
     return {
         "model": model_state(trainer),
         "optimizer": trainer.optimizer.state_dict(),
         "sparse_optimizer": trainer.sparse_optimizer.state_dict() if trainer.sparse_optimizer else None,
         "ema": trainer.ema.state_dict() if trainer.ema else None,
-        "carry": trainer.global_carry(),
+        "carry": trainer.global_carry() if gathered else None,
         "cuts": list(trainer.cuts),
         "shares": list(trainer.shares),
-        "micro_batches": [int(row[0]) for row in trainer.sync.gather_floats([trainer.micro_batch])],
+        "micro_batches": (
+            [int(row[0]) for row in trainer.sync.gather_floats([trainer.micro_batch])]
+            if gathered
+            else [trainer.micro_batch]
+        ),
         "step": trainer.step,
         "samples_seen": trainer.samples_seen,
         "rng": {"torch": torch.get_rng_state(), **trainer.task.rng_state()},

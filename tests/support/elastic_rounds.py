@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import random
+import signal
 import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from raytrm.sync.membership import Dropped, Membership, PeerLost, RunFinished, is_peer_lost
+from raytrm.sync.membership import ABANDONED, Dropped, Membership, PeerLost, RunFinished, View, is_peer_lost
 
 
 def worker(name: str, port: int, plan: dict[str, Any], results: Any) -> None:
@@ -122,3 +126,61 @@ def _take_state(members: Membership, state: dict) -> dict:
     box = [state]
     dist.broadcast_object_list(box, src=source)
     return dict(box[0])
+
+
+class Run:
+    """Workers of elastic_rounds in processes of their own, around a store served by this process."""
+
+    def __init__(self, plan: dict, target=None, extra: tuple = ()) -> None:
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+        )
+        self.plan, self.target, self.extra = plan, target or worker, extra
+        self.context = mp.get_context("spawn")
+        self.results = self.context.Queue()
+        self.procs: dict[str, mp.Process] = {}
+        self.pids: dict[str, int] = {}
+        self.logs: dict[str, dict] = {}
+
+    def start(self, name: str, **extra) -> None:
+        plan = {**self.plan, **extra}
+        args = (name, self.store.port, plan, *self.extra, self.results)
+        proc = self.context.Process(target=self.target, args=args, daemon=True)
+        proc.start()
+        self.procs[name] = proc
+
+    def wait(self, kind: str, count: int, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        seen = 0
+        while seen < count:
+            try:
+                what, name, value = self.results.get(timeout=max(0.1, end - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"{count - seen} worker(s) never reported {kind!r}") from None
+            if what == "ready":
+                self.pids[name] = value
+            else:
+                self.logs[name] = value
+            seen += what == kind
+
+    def admitted(self, name: str, timeout: float = 120) -> None:
+        """Wait until a published view admits the worker."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            epoch = self.store.add("epoch", 0)
+            views = [self.store.get(f"view/{e}") for e in range(epoch + 1) if self.store.check([f"view/{e}"])]
+            if any(v != ABANDONED and name in View.from_json(v).admitted for v in views):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{name} was never admitted")
+
+    def stop(self) -> None:
+        """The workers end the run at their next round boundary."""
+        self.store.set("stop", "1")
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.terminate()
+            proc.join(timeout=10)

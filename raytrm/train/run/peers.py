@@ -16,6 +16,7 @@ class PeersHook(Hook):
     the round's mean times and all its events. A checkpoint part ("shares_balancer")."""
 
     def __init__(self, trainer: Trainer, balance: bool = True) -> None:
+        self.balance = balance
         self.peers = Peers(trainer, balance=balance)
         self._held: list[StepResult] = []  # the steps of a local round so far, and their events
         self._held_events: list[dict[str, Any]] = []
@@ -30,6 +31,12 @@ class PeersHook(Hook):
         self._held, self._held_events = [], []
         step.events = self.peers.exchange(step.result, step.share_cap, events, held)
         step.workers = self.peers.rows
+
+    def on_regroup(self, loop: Loop) -> None:
+        """Another set of workers: their rows and the balancer start again from the even split (a held local round
+        was dropped with the change)."""
+        self.peers = Peers(loop.trainer, balance=self.balance)
+        self._held, self._held_events = [], []
 
     def state_dict(self) -> dict[str, Any] | None:
         return self.peers.state_dict()

@@ -3,18 +3,14 @@ others go on without a restart, and a worker that comes back enters at a round b
 
 from __future__ import annotations
 
-import datetime
 import os
-import queue
 import signal
 import time
 
 import pytest
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from raytrm.sync.membership import ABANDONED, MIN_DEADLINE_S, View, deadline_s, is_peer_lost
-from tests.support import elastic_rounds
+from raytrm.sync.membership import MIN_DEADLINE_S, View, deadline_s, is_peer_lost
+from tests.support.elastic_rounds import Run
 
 NAMES = ["studio", "air", "mini"]
 
@@ -36,65 +32,6 @@ def test_gloo_words_for_a_lost_peer_are_recognised():
     assert is_peer_lost(RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:7557"))
     assert not is_peer_lost(RuntimeError("CUDA out of memory"))
     assert not is_peer_lost(ValueError("Timed out"))
-
-
-class Run:
-    """Workers of elastic_rounds in processes of their own, around a store served by this process."""
-
-    def __init__(self, plan: dict) -> None:
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
-        )
-        self.plan = plan
-        self.context = mp.get_context("spawn")
-        self.results = self.context.Queue()
-        self.procs: dict[str, mp.Process] = {}
-        self.pids: dict[str, int] = {}
-        self.logs: dict[str, dict] = {}
-
-    def start(self, name: str, **extra) -> None:
-        plan = {**self.plan, **extra}
-        proc = self.context.Process(
-            target=elastic_rounds.worker, args=(name, self.store.port, plan, self.results), daemon=True
-        )
-        proc.start()
-        self.procs[name] = proc
-
-    def wait(self, kind: str, count: int, timeout: float = 120) -> None:
-        end = time.monotonic() + timeout
-        seen = 0
-        while seen < count:
-            try:
-                what, name, value = self.results.get(timeout=max(0.1, end - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"{count - seen} worker(s) never reported {kind!r}") from None
-            if what == "ready":
-                self.pids[name] = value
-            else:
-                self.logs[name] = value
-            seen += what == kind
-
-    def admitted(self, name: str, timeout: float = 120) -> None:
-        """Wait until a published view admits the worker."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            epoch = self.store.add("epoch", 0)
-            views = [self.store.get(f"view/{e}") for e in range(epoch + 1) if self.store.check([f"view/{e}"])]
-            if any(v != ABANDONED and name in View.from_json(v).admitted for v in views):
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"{name} was never admitted")
-
-    def stop(self) -> None:
-        """The workers end the run at their next round boundary."""
-        self.store.set("stop", "1")
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.terminate()
-            proc.join(timeout=10)
 
 
 @pytest.fixture

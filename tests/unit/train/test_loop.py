@@ -141,3 +141,64 @@ def test_the_loop_applies_a_steps_decisions_in_the_stated_order_whatever_the_hoo
     assert [type(d) for d in loop.applied] == [Cut, Threads, Scale, Pause, Stop] == list(ORDER)
     # The cut the governor chose, scaled by the heat's share: 8 x 0.5.
     assert loop.trainer.micro_batch == 4 and torch.get_num_threads() == threads
+
+
+class LostOnce(Hook):
+    """A peer lost in the collective after step `at`: the error gloo raises at a missed deadline."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.fired = at, False
+
+    def end_step(self, loop, step):
+        if step.result.step == self.at and not self.fired:
+            self.fired = True
+            raise RuntimeError("[gloo/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete")
+
+
+class ScriptedRegroup:
+    """A membership that admits a worker at the first boundary it is asked and recovers from a lost peer."""
+
+    def __init__(self) -> None:
+        self.recovered: list[int] = []
+        self.asked: list[int] = []
+
+    def lost(self, error):
+        return "Timed out" in str(error)
+
+    def joins_waiting(self, loop):
+        self.asked.append(loop.trainer.step)
+        return len(self.asked) == 1
+
+    def recover(self, loop):
+        self.recovered.append(loop.trainer.step)
+        return [{"event": "membership", "step": loop.trainer.step}]
+
+
+def test_a_lost_peer_sends_the_loop_to_the_next_membership_and_a_join_is_admitted_at_a_boundary(tiny):
+    trainer = Trainer(tiny())
+    regroup = ScriptedRegroup()
+    rows = []
+
+    class Events(Hook):
+        def end_step(self, loop, step):
+            rows.append((step.result.step, [e["event"] for e in step.events]))
+
+    loop = Loop(trainer, [Events(), LostOnce(at=3), StepLimit(12)], measure_peak=False, regroup=regroup)
+    assert loop.run() == "steps reached"
+    assert trainer.step == 12
+    # the failure after step 3 recovered, then the members looked for joiners every ADMIT_EVERY steps
+    assert regroup.recovered == [3, 10]
+    assert regroup.asked == [10]
+    # each change is an event of the step after it
+    assert "membership" in dict(rows)[4] and "membership" in dict(rows)[11]
+
+
+def test_an_error_that_is_not_a_lost_peer_ends_the_run(tiny):
+    trainer = Trainer(tiny())
+
+    class Broken(Hook):
+        def end_step(self, loop, step):
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        Loop(trainer, [Broken(), StepLimit(2)], measure_peak=False, regroup=ScriptedRegroup()).run()

@@ -1,0 +1,127 @@
+"""A run whose workers come and go: the loop's side of raytrm.sync.membership.
+
+When a collective of a step fails because a peer missed its deadline or left (`lost`), or when the members agree at
+a boundary that a worker waits to join (`joins_waiting`), the loop calls `recover`, which:
+
+1. forms the next membership (`Membership.regroup`; a worker the others left behind joins again, `join`);
+2. has the sync read its rank and its group's size again (`regrouped`);
+3. gives every member the state of the member furthest along (the model or what trains of it, the optimizers, the
+   EMA, the step, the samples seen, the RNG states): a newcomer, a worker back from sleep and a worker whose last
+   collective failed where the others' completed all continue from the same weights, taken from a live peer;
+4. splits the global batch evenly over the new set (the peers' balancer refits it from their next steps) and starts
+   every slot's carry afresh (TRM's halting state of the slots a lost worker held left with it);
+5. builds the sync strategy anew over the new set, so the mode is chosen again for it (`auto`), and tells the hooks
+   (`on_regroup`: per-worker state such as the peers' rows is made again).
+
+It returns the `membership` event (rank 0's): the step, the epoch, its members, who left and who entered, the seconds
+waited before the change (since the last step's end: the step that failed and its collective's deadline) and the
+seconds the change took, which the metrics log shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from raytrm.sync.membership import Dropped, Membership, PeerLost, is_peer_lost
+from raytrm.sync.shares import shard, split
+from raytrm.sync.strategy import SyncStrategy
+from raytrm.train import trainer_state
+from raytrm.train.memory.fit import cut
+
+logger = logging.getLogger(__name__)
+
+
+class Elastic:
+    """The loop's `regroup` (raytrm.train.loop.Regroup) for a Trainer whose sync follows `membership`'s groups."""
+
+    def __init__(self, membership: Membership, *, clock: Any = time.monotonic) -> None:
+        self.membership, self.clock = membership, clock
+        #: Every change of the run's workers this worker saw (the `membership` events, every rank's).
+        self.changes: list[dict[str, Any]] = []
+
+    def enter(self, trainer: Any, sync_factory: Any) -> None:
+        """A worker that was not in the run (new, or started again after it left): ask to join, wait until the
+        members admit it at a boundary, then take the furthest member's state. The Trainer is built before, alone
+        (`sync_factory` makes its sync once the group exists), so the members wait for no model to be built."""
+        view = self.membership.join()
+        trainer.sync = sync_factory()
+        self._take_furthest_state(trainer, newcomer=True)
+        train, overlaps = trainer.config.training, trainer.task.overlaps_sync
+        trainer.strategy = SyncStrategy(trainer, trainer.sync, train, overlaps=overlaps)
+        self.changes.append(
+            {"event": "membership", "step": trainer.step, "epoch": view.epoch, "entered": [self.membership.me]}
+        )
+
+    def lost(self, error: BaseException) -> bool:
+        return isinstance(error, PeerLost) or is_peer_lost(error)
+
+    def joins_waiting(self, loop: Any) -> bool:
+        """Rank 0 asks the store (the loop agrees the answer among the members)."""
+        return loop.trainer.sync.rank == 0 and self.membership.pending_joins() > 0
+
+    def recover(self, loop: Any) -> list[dict[str, Any]]:
+        """The next membership, the furthest member's state on every member, the work split over the new set."""
+        begin = self.clock()
+        waited = loop.now() - loop.step_end  # since the last step's end: the failed collective's wait, and the step
+        trainer, came_back = loop.trainer, False
+        while True:
+            try:
+                try:
+                    view = self.membership.regroup()
+                except Dropped:
+                    came_back = True
+                    view = self.membership.join()
+                trainer.sync.regrouped()
+                self._take_furthest_state(trainer, newcomer=came_back)
+                break
+            except Exception as error:  # the new set lost a member too: the next one
+                if not self.lost(error):
+                    raise
+        self._restart_sync(loop)
+        event = {
+            "event": "membership",
+            "step": trainer.step,
+            "epoch": view.epoch,
+            "workers": list(view.members),
+            "left": list(view.left),
+            "entered": list(view.admitted),
+            "waited_s": round(waited, 3),
+            "seconds": round(self.clock() - begin, 3),
+        }
+        self.changes.append(event)
+        if trainer.sync.rank == 0:
+            logger.warning(
+                "workers: %s at step %d (%s%s), %.1f s",
+                ", ".join(view.members),
+                trainer.step,
+                f"left: {', '.join(view.left)}" if view.left else "",
+                f"{'; ' if view.left else ''}entered: {', '.join(view.admitted)}" if view.admitted else "",
+                event["seconds"],
+            )
+        return [event] if trainer.sync.rank == 0 else []
+
+    def _take_furthest_state(self, trainer: Any, newcomer: bool) -> None:
+        """Every member takes the state of the one with the most steps done (collectives of the new group)."""
+        sync = trainer.sync
+        source, _ = self.membership.source(-1 if newcomer else trainer.step)
+        state = trainer_state.capture(trainer, gathered=False) if sync.rank == source else None
+        state = sync.broadcast_object(state, src=source)
+        trainer.shares = split(trainer.global_batch, [1.0] * sync.world_size)
+        trainer.shard = shard(trainer.shares, sync.rank)
+        trainer.cuts = cut(trainer.local_batch, trainer.micro_batch)
+        own = [trainer.micro_batch] * sync.world_size  # each member keeps its own cut
+        trainer_state.restore(trainer, {**state, "carry": None, "shares": trainer.shares, "micro_batches": own})
+
+    def _restart_sync(self, loop: Any) -> None:
+        """The sync strategy built anew over the new set (the mode chosen again in `auto`), the hooks told."""
+        trainer = loop.trainer
+        trainer.strategy.close()
+        trainer.strategy = SyncStrategy(
+            trainer, trainer.sync, trainer.config.training, overlaps=trainer.task.overlaps_sync
+        )
+        trainer.strategy.start()
+        loop.exchanging = trainer.strategy.exchanging
+        for hook in loop.hooks:
+            hook.on_regroup(loop)

@@ -1,0 +1,64 @@
+"""Workers for the elastic training tests: a tiny TRM trained by the one loop over raytrm.sync.membership's groups,
+each in a process of its own around a store the test serves."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import Any
+
+import torch
+
+from raytrm.sync.membership import Membership, RunFinished
+from raytrm.sync.process_group import ProcessGroupSync
+from raytrm.train.elastic import Elastic
+from raytrm.train.loop import Hook, Loop
+from raytrm.train.run.peers import PeersHook
+from raytrm.train.run.stop_rules import StepLimit
+from raytrm.train.trainer import Trainer
+
+
+class Gaps(Hook):
+    """The wall time between one step's end and the next's, on this worker."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+        self.gaps: list[float] = []
+
+    def end_step(self, loop: Loop, step: Any) -> None:
+        now = time.monotonic()
+        if self.last is not None:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+
+def worker(name: str, port: int, plan: dict[str, Any], config: Any, results: Any) -> None:
+    """Train to plan['steps'] with the run's membership; puts the final weights, the step and the changes seen."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    members = Membership(store, name, deadline=plan["deadline"], settle_s=plan["settle"])
+    elastic = Elastic(members)
+    device = torch.device("cpu")
+    if plan.get("join"):
+        trainer = Trainer(config)
+        results.put(("ready", name, os.getpid()))
+        try:
+            elastic.enter(trainer, lambda: ProcessGroupSync(device))
+        except RunFinished:
+            results.put(("done", name, {"finished_outside": True}))
+            return
+    else:
+        members.start(plan["size"])
+        trainer = Trainer(config, sync=ProcessGroupSync(device))
+        results.put(("ready", name, os.getpid()))
+    gaps = Gaps()
+    loop = Loop(trainer, [PeersHook(trainer), gaps, StepLimit(plan["steps"])], measure_peak=False, regroup=elastic)
+    loop.run()
+    # As numpy: a tensor would travel through a file descriptor that dies with this process.
+    weights = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()]).numpy()
+    members.leave()
+    results.put(
+        ("done", name, {"step": trainer.step, "weights": weights, "changes": elastic.changes, "gaps": gaps.gaps})
+    )
