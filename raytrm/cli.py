@@ -174,6 +174,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     profiles = args.profile or []
     distributed = args.workers is not None or args.address is not None
+    if args.elastic and not distributed:
+        raise UserError("--elastic needs several workers: give --workers N or --address")
     if args.quiet:  # a distributed run also routes Ray's and the workers' lines to its logs (distributed.run_logs)
         _warnings_only()
     if len(profiles) > 1 and not distributed:
@@ -204,6 +206,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             resume=args.resume,
             progress=not args.quiet,
             balance=not args.equal_shares,
+            elastic=args.elastic,
         )
     else:
         summary = run_training(experiment, run_dir, resume=args.resume, progress=not args.quiet)
@@ -570,6 +573,12 @@ def _add_train(sub: Any) -> None:
     )
     p.add_argument(
         "--equal-shares", action="store_true", help="with several workers: keep equal shares, never rebalance"
+    )
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="with several workers: a Mac that stops answering costs the others a deadline, not a restart, and a "
+        "Mac that joins (or comes back) enters at the next round with a live peer's state",
     )
     p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/train-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest good checkpoint")

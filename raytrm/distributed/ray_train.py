@@ -13,7 +13,6 @@ resume is exact, so the restart changes nothing but the time it costs.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -23,39 +22,19 @@ from pathlib import Path
 from typing import Any
 
 from raytrm import config as cfg
-from raytrm.constants import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV, RESOURCE_MACHINE, TIER_RESOURCE_PREFIX
+from raytrm.constants import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV, RESOURCE_MACHINE
 from raytrm.distributed.node import GLOO_IFNAME_ENV
+from raytrm.distributed.workers import (
+    MACHINE_FIELDS,
+    Node,
+    node_tier,
+    raytrm_nodes,
+    without_machine_settings,
+)
+from raytrm.distributed.workers import worker_config as worker_config
 from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
-
-#: The machine settings each worker takes from its own tier (the accumulation follows from the micro-batch it takes).
-MACHINE_FIELDS = tuple(name for name in cfg.MACHINE_SETTINGS if name != "grad_accum_steps")
-
-
-@dataclasses.dataclass
-class Node:
-    """One alive Ray node that can take a raytrm worker."""
-
-    node_id: str
-    address: str
-    tier: str | None
-    cpus: float
-
-
-def raytrm_nodes() -> list[Node]:
-    """Alive nodes, raytrm machines first (those advertising the machine unit), each with its tier."""
-    import ray
-
-    nodes = []
-    for info in ray.nodes():
-        if not info.get("Alive"):
-            continue
-        res = info.get("Resources", {})
-        tiers = [k[len(TIER_RESOURCE_PREFIX) :] for k in res if k.startswith(TIER_RESOURCE_PREFIX)]
-        if res.get(RESOURCE_MACHINE):
-            nodes.append(Node(info["NodeID"], info["NodeManagerAddress"], tiers[0] if tiers else None, res["CPU"]))
-    return nodes
 
 
 def profile_settings(profiles: Sequence[cfg.Profile], names: Sequence[str]) -> tuple[dict, dict]:
@@ -151,12 +130,14 @@ def train_distributed(
     progress: bool = True,
     balance: bool = True,
     max_failures: int = 2,
+    elastic: bool = False,
 ) -> dict[str, Any]:
     """Train config on Ray Train workers (N on this machine, or one per node of the cluster at address).
 
     `explicit` names the training fields the user set by flag: they hold on every worker over tier defaults.
     Without `progress` (--quiet) the terminal shows warnings only; Ray's lines and the workers' INFO lines go to
-    RUN_DIR/logs either way (raytrm.distributed.run_logs). Returns rank 0's summary.
+    RUN_DIR/logs either way (raytrm.distributed.run_logs). Returns rank 0's summary. `elastic`: the workers are
+    the driver's own actors, which may come and go without a restart (raytrm.distributed.elastic_run).
     """
     from raytrm.distributed.cluster import connect
     from raytrm.distributed.run_logs import DriverLogs
@@ -205,7 +186,12 @@ def train_distributed(
             "workers_per_machine": 1 if on_cluster else count,
             "driver_restarts": on_cluster,  # and says so (_fit); on one machine Ray Train restarts the group
         }
-        _fit(job, count, on_cluster, nodes, run_dir, max_failures)
+        if elastic:
+            from raytrm.distributed.elastic_run import fit_elastic
+
+            fit_elastic(job, count, on_cluster, nodes, run_dir)
+        else:
+            _fit(job, count, on_cluster, nodes, run_dir, max_failures)
         return json.loads((run_dir / SUMMARY_FILE).read_text())
     finally:
         if owned:
@@ -302,53 +288,6 @@ def _fit_group(
 # -- inside each worker ------------------------------------------------------------------------------------------
 
 
-def _node_tier() -> str:
-    """The tier of the node this worker runs on: its Ray resource, else this machine's own tier."""
-    import ray
-
-    me = ray.get_runtime_context().get_node_id()
-    for node in raytrm_nodes():
-        if node.node_id == me and node.tier:
-            return node.tier
-    from raytrm.hardware.probe import detect
-    from raytrm.hardware.tiers import match_tier
-
-    return match_tier(detect()).name
-
-
-def worker_config(job: dict, tier: str) -> cfg.ExperimentConfig:
-    """The experiment with this worker's machine settings: its tier's profile (over everything but flags), else
-    its own tier's defaults where the experiment leaves a setting unset."""
-    from raytrm.train.run.experiment import fill_from_tier
-
-    config: cfg.ExperimentConfig = job["config"]
-    training = cfg.to_dict(config.training)
-    profile = job["machines"].get(tier)
-    if profile:
-        training.update({k: v for k, v in profile.items() if k not in job["explicit"] and v is not None})
-    else:
-        from raytrm.hardware.probe import detect
-        from raytrm.hardware.tiers import match_tier
-        from raytrm.train.run.experiment import tier_settings
-
-        own = match_tier(detect())
-        settings = tier_settings(own)
-        share = job["workers_per_machine"]
-        if share > 1:  # workers that share one machine share its cores and its memory
-            settings["threads"] = max(1, own.threads // share)
-            settings["memory_budget_mb"] = max(64, own.memory_budget_mb // share)
-        fill_from_tier(training, settings)
-    changes = {k: training[k] for k in MACHINE_FIELDS if training[k] != getattr(config.training, k)}
-    return dataclasses.replace(config, training=dataclasses.replace(config.training, **changes))
-
-
-def without_machine_settings(config: cfg.ExperimentConfig, keep: Sequence[str] = ()) -> cfg.ExperimentConfig:
-    """The experiment with its machine settings (but those in keep) unset, for workers to fill from their tiers."""
-    defaults = cfg.TrainConfig()
-    unset = {k: getattr(defaults, k) for k in MACHINE_FIELDS if k not in keep}
-    return dataclasses.replace(config, training=dataclasses.replace(config.training, grad_accum_steps=1, **unset))
-
-
 def _worker_loop(job: dict) -> None:
     import ray.train
 
@@ -363,7 +302,7 @@ def _worker_loop(job: dict) -> None:
     run_dir = Path(job["run_dir"])
     # Rank 0 speaks for the run, the others say only what goes wrong; every worker's INFO lines go to its log file.
     worker_logs(run_dir, rank, quiet=not job["progress"], level=os.environ.get(LOG_LEVEL_ENV, DEFAULT_LOG_LEVEL))
-    tier = _node_tier()
+    tier = node_tier()
     config = worker_config(job, tier)
     sync = ProcessGroupSync(devices.pick_device(config.training.device))
     # Shares start from the profiles' measured speeds (equal without them); the balancer refines them.

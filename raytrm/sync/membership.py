@@ -44,6 +44,8 @@ SETTLE_S = 2.0
 ABANDONED = b"abandoned"
 #: The key set when the run ends.
 FINISHED = "finished"
+#: The key of the deadline the members agreed, once the run measured its steps.
+DEADLINE_KEY = "deadline"
 
 
 def deadline_s(sum_s: float, step_s: float) -> float:
@@ -163,6 +165,10 @@ class Membership:
             epoch += 1
         raise TimeoutError(f"{self.me}: no epoch admitted this worker within {timeout_s:.0f} s")
 
+    def publish_deadline(self, seconds: float) -> None:
+        """The deadline of the epochs formed from now on, the same for every member (set by one, read by all)."""
+        self.store.set(DEADLINE_KEY, f"{seconds:.3f}")
+
     def pending_joins(self) -> int:
         """Join requests the current view has not answered (a store read: rank 0 asks, and tells the others)."""
         assert self.view is not None
@@ -205,7 +211,9 @@ class Membership:
         # A slot is named a moment after it is taken; one never named (its worker died between) is skipped.
         named = (self._get(f"join/{i}", self.settle_s) for i in range(joins_seen, requests))
         joining = [name.decode() for name in named if name is not None]
-        members = [w for w in old if w in arrived] if previous is not None else arrived
+        # The first epoch ranks its workers by name (the driver names its own first); later ones keep the ranks of
+        # those that stay and put newcomers last.
+        members = [w for w in old if w in arrived] if previous is not None else sorted(arrived)
         admitted = [w for w in dict.fromkeys(joining) if w not in members]
         left = tuple(w for w in old if w not in arrived)
         view = View(epoch, tuple(members + admitted), tuple(admitted), left, requests)
@@ -229,6 +237,8 @@ class Membership:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.view = view
+        if self.store.check([DEADLINE_KEY]):
+            self.deadline = float(self.store.get(DEADLINE_KEY))
         try:
             dist.init_process_group(
                 self.backend,

@@ -3,7 +3,9 @@
 When a collective of a step fails because a peer missed its deadline or left (`lost`), or when the members agree at
 a boundary that a worker waits to join (`joins_waiting`), the loop calls `recover`, which:
 
-1. forms the next membership (`Membership.regroup`; a worker the others left behind joins again, `join`);
+1. forms the next membership (`Membership.regroup`; a worker the others left behind joins again, `join`), whose
+   collectives' deadline is the grace times a step's sum and compute as the run measured them (set at the first
+   boundary where the members look for joiners, when it is far from the deadline the run started with);
 2. has the sync read its rank and its group's size again (`regrouped`);
 3. gives every member the state of the member furthest along (the model or what trains of it, the optimizers, the
    EMA, the step, the samples seen, the RNG states): a newcomer, a worker back from sleep and a worker whose last
@@ -24,7 +26,7 @@ import logging
 import time
 from typing import Any
 
-from raytrm.sync.membership import Dropped, Membership, PeerLost, is_peer_lost
+from raytrm.sync.membership import Dropped, Membership, PeerLost, deadline_s, is_peer_lost
 from raytrm.sync.shares import shard, split
 from raytrm.sync.strategy import SyncStrategy
 from raytrm.train import trainer_state
@@ -40,6 +42,8 @@ class Elastic:
         self.membership, self.clock = membership, clock
         #: Every change of the run's workers this worker saw (the `membership` events, every rank's).
         self.changes: list[dict[str, Any]] = []
+        #: The deadline was set from a measured step (once, at the first boundary the members look).
+        self.timed = False
 
     def enter(self, trainer: Any, sync_factory: Any) -> None:
         """A worker that was not in the run (new, or started again after it left): ask to join, wait until the
@@ -58,8 +62,19 @@ class Elastic:
         return isinstance(error, PeerLost) or is_peer_lost(error)
 
     def joins_waiting(self, loop: Any) -> bool:
-        """Rank 0 asks the store (the loop agrees the answer among the members)."""
-        return loop.trainer.sync.rank == 0 and self.membership.pending_joins() > 0
+        """Whether the members should form the next membership at this boundary, as rank 0 sees it (the loop agrees
+        the answer among them): a worker asked to join, or, once, the run has measured a step and the deadline the
+        run started with is far from the one it implies (published for the next group to take)."""
+        if loop.trainer.sync.rank != 0:
+            return False
+        due = self.membership.pending_joins() > 0
+        if not self.timed and loop.last_step is not None:
+            result = loop.last_step.result
+            measured = deadline_s(result.sync_seconds, result.compute_seconds)
+            if abs(measured - self.membership.deadline) > 0.5 * self.membership.deadline:
+                self.membership.publish_deadline(measured)
+                due = True
+        return due
 
     def recover(self, loop: Any) -> list[dict[str, Any]]:
         """The next membership, the furthest member's state on every member, the work split over the new set."""
@@ -80,6 +95,7 @@ class Elastic:
                 if not self.lost(error):
                     raise
         self._restart_sync(loop)
+        self.timed = True
         event = {
             "event": "membership",
             "step": trainer.step,
@@ -88,6 +104,7 @@ class Elastic:
             "left": list(view.left),
             "entered": list(view.admitted),
             "waited_s": round(waited, 3),
+            "deadline_s": self.membership.deadline,
             "seconds": round(self.clock() - begin, 3),
         }
         self.changes.append(event)

@@ -169,6 +169,7 @@ class Loop:
     ) -> None:
         self.trainer, self.hooks, self.clock = trainer, list(hooks), clock
         self.regroup = regroup
+        self.last_step: Step | None = None  # the latest step, as the loop measured it (its sync's wait included)
         self._membership_events: list[dict[str, Any]] = []  # a change of workers, for the next step's events
         self.measure_peak, self.logged = measure_peak, logged
         self.stop_reason: str | None = None
@@ -294,6 +295,7 @@ class Loop:
         step.events += synced.events
         step.events, self._membership_events = self._membership_events + step.events, []
         self.step_end = self.now()
+        self.last_step = step
         return step
 
     def _recut(self) -> None:

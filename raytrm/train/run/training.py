@@ -26,6 +26,7 @@ from raytrm.hardware.thermal import ThermalReader
 from raytrm.sync.contract import GradientSync
 from raytrm.train.checkpoint import latest_good_checkpoint
 from raytrm.train.checkpoint_fit import check_checkpoint_fits
+from raytrm.train.elastic import Elastic
 from raytrm.train.loop import Hook, Loop
 from raytrm.train.memory.governor import GovernorSettings
 from raytrm.train.run.directory import CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
@@ -84,6 +85,8 @@ def run_training(
     shares: Sequence[int] | None = None,
     balance: bool = True,
     on_checkpoint: Callable[[int, Path | None], None] | None = None,
+    elastic: Elastic | None = None,
+    join_sync: Callable[[], GradientSync] | None = None,
 ) -> dict[str, Any]:
     """Train to the config's step count or time budget, recording everything in run_dir; returns the summary.
 
@@ -98,6 +101,9 @@ def run_training(
         raise UserError("training needs a stopping rule; give --steps N or --time-budget SECONDS")
     run_dir = Path(run_dir)
     trainer = Trainer(config, run_dir, sync=sync, shares=shares)
+    if join_sync is not None:
+        assert elastic is not None and not resume, "a worker joins an elastic run in progress"
+        elastic.enter(trainer, join_sync)
     rank0 = trainer.sync.rank == 0
     peers = PeersHook(trainer, balance=balance)
     memory = MemoryBudget.adapting(trainer, governor_settings, memory_reader)
@@ -105,7 +111,7 @@ def run_training(
     if memory is not None:
         parts["memory_governor"] = memory
     if trainer.strategy.distributed:  # a worker of a group (of one after a loss, too)
-        parts["sync"] = trainer.strategy
+        parts["sync"] = CurrentStrategy(trainer)
     checkpoints = Checkpoints(trainer, run_dir / CHECKPOINT_DIR, train.checkpoint_interval, parts, on_checkpoint)
     resumed_from = None
     if resume:
@@ -143,7 +149,9 @@ def run_training(
             MetricsRows(trainer, log, bar, evaluations.row_scores),
             checkpoints,  # after the final evaluation, as before the loop
         ]
-        loop = Loop(trainer, [h for h in hooks if h is not None], logged=lambda step: _logged(step, train))
+        loop = Loop(
+            trainer, [h for h in hooks if h is not None], logged=lambda step: _logged(step, train), regroup=elastic
+        )
         with interrupts.installed() if interrupts is not None else contextlib.nullcontext():
             loop.run()
         if rank0:
@@ -151,6 +159,8 @@ def run_training(
         summary = _summary(trainer, loop, memory, thermal, peers, evaluations.final, checkpoints.last)
         summary.update(times.summary())
         summary.update(trainer.strategy.summary())
+        if elastic is not None:
+            summary["membership"] = elastic.changes
     finally:
         bar.close()
         if log is not None:
@@ -160,6 +170,20 @@ def run_training(
     if rank0:
         write_json(summary, run_dir / SUMMARY_FILE)
     return summary
+
+
+class CurrentStrategy:
+    """The checkpoint part of the run's sync strategy, whichever it is now (an elastic run builds a new one when
+    its workers change)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.strategy.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self.trainer.strategy.load_state_dict(state)
 
 
 def _finish(trainer: Trainer, run_dir: Path) -> None:

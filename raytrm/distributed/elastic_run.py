@@ -1,0 +1,164 @@
+"""`raytrm train --elastic`: the workers as Ray actors of the driver's own, so a Mac that leaves costs the others a
+deadline and a Mac that comes (back) enters at a round boundary, with no restart of the group.
+
+Ray Train's worker group restarts every worker from the last checkpoint when one is lost, and keeps a returning
+machine out until then. Here the driver instead:
+
+- serves the run's membership store (a `torch.distributed.TCPStore` on the head: no worker hosts what the others
+  need) and starts one actor per Mac (`--workers N` on one machine), named in rank order, the head's first;
+- waits on the actors' runs: one that fails or whose Mac leaves is logged and left to the membership (the others
+  regroup within its deadline, raytrm.train.elastic);
+- every few seconds looks for raytrm machines with no worker (a Mac that joined the cluster, or came back with a new
+  `raytrm cluster join`) and starts one there, which asks to join and is admitted at the next boundary with a live
+  peer's state;
+- ends when the first worker (the head's, which writes the run directory) returns its summary.
+
+Each worker trains as a Ray Train worker would (raytrm.distributed.ray_train's machine settings per tier, the run
+directory written by rank 0), through `run_training` with its `Elastic`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from raytrm.constants import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV, RESOURCE_MACHINE
+from raytrm.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between the driver's looks for machines with no worker.
+NODE_POLL_S = 5.0
+#: A collective's deadline before the run has measured its link and its steps (the next membership takes the
+#: measured one: raytrm.train.elastic).
+FIRST_DEADLINE_S = 60.0
+
+
+def fit_elastic(job: dict, count: int, on_cluster: bool, nodes: Sequence[Any], run_dir: Path) -> None:
+    """Train to the end with workers that may come and go (see the module docstring)."""
+    import ray
+    from torch.distributed import TCPStore
+
+    from raytrm.distributed.workers import raytrm_nodes
+
+    host = ray.util.get_node_ip_address()
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+    job = {**job, "store": (host, store.port), "size": count}
+    here = ray.get_runtime_context().get_node_id()
+    ordered = sorted(nodes, key=lambda n: n.node_id != here)[:count] if on_cluster else []
+    runs: dict[Any, tuple[str, str | None]] = {}  # an actor's run -> its name and node
+    actors: dict[str, Any] = {}
+
+    def start(name: str, node_id: str | None, join: bool) -> None:
+        actor = _worker_class().options(**_placement(node_id, on_cluster, count)).remote(job, name, join)
+        actors[name] = actor
+        runs[actor.run.remote()] = (name, node_id)
+
+    for i in range(count):
+        start(f"w{i:02d}", ordered[i].node_id if on_cluster else None, join=False)
+    first, joined, next_look = "w00", count, time.monotonic() + NODE_POLL_S
+    try:
+        while runs:
+            done, _ = ray.wait(list(runs), num_returns=1, timeout=1.0)
+            for ref in done:
+                name, _ = runs.pop(ref)
+                try:
+                    ray.get(ref)
+                except Exception as error:  # a worker's failure, or its Mac gone: the membership goes on without it
+                    found = _user_error(error)
+                    if found is not None:
+                        raise found from None
+                    if name == first:
+                        raise
+                    logger.warning("worker %s left the run (%s)", name, _first_line(error))
+                    continue
+                if name == first:
+                    return
+            if on_cluster and time.monotonic() >= next_look:
+                next_look = time.monotonic() + NODE_POLL_S
+                busy = {node_id for _, node_id in runs.values()}
+                for node in raytrm_nodes():
+                    if node.node_id not in busy:
+                        logger.warning("a raytrm machine at %s has no worker: it joins the run", node.address)
+                        start(f"w{joined:02d}", node.node_id, join=True)
+                        joined += 1
+    finally:
+        store.set("finished", "1")
+        for actor in actors.values():
+            ray.kill(actor, no_restart=True)
+
+
+def _placement(node_id: str | None, on_cluster: bool, count: int) -> dict[str, Any]:
+    """One worker per Mac on a cluster (its machine unit, on that node); on one machine, a share of its CPUs."""
+    if on_cluster:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return {
+            "resources": {RESOURCE_MACHINE: 1},
+            "num_cpus": 1,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+        }
+    return {"num_cpus": min(1.0, (os.cpu_count() or 1) / count)}
+
+
+def _user_error(error: BaseException) -> UserError | None:
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, UserError) else None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def _worker_class() -> Any:
+    import ray
+
+    return ray.remote(max_restarts=0, max_concurrency=2)(ElasticWorker)
+
+
+class ElasticWorker:
+    """One worker of an elastic run, in a Ray actor: it starts with the run's first members or joins the run."""
+
+    def __init__(self, job: dict, name: str, join: bool) -> None:
+        self.job, self.name, self.join = job, name, join
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self) -> dict[str, Any]:
+        from torch.distributed import TCPStore
+
+        from raytrm.distributed.run_logs import worker_logs
+        from raytrm.distributed.workers import node_tier, worker_config
+        from raytrm.hardware import device as devices
+        from raytrm.sync.membership import Membership
+        from raytrm.sync.process_group import ProcessGroupSync
+        from raytrm.train.elastic import Elastic
+        from raytrm.train.run.training import run_training
+
+        job, run_dir = self.job, Path(self.job["run_dir"])
+        first = self.name == "w00"
+        level = os.environ.get(LOG_LEVEL_ENV, DEFAULT_LOG_LEVEL)
+        worker_logs(run_dir, int(self.name[1:]), quiet=not job["progress"], level=level)
+        tier = node_tier()
+        config = worker_config(job, tier)
+        logger.info("worker %s (pid %d) on tier %s%s", self.name, os.getpid(), tier, ", joining" if self.join else "")
+        host, port = job["store"]
+        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=120))
+        members = Membership(store, self.name, deadline=job.get("deadline_s", FIRST_DEADLINE_S))
+        elastic = Elastic(members)
+        device = devices.pick_device(config.training.device)
+        common = {"progress": job["progress"] and first, "balance": job["balance"], "elastic": elastic}
+        try:
+            if self.join:
+                return run_training(config, run_dir, join_sync=lambda: ProcessGroupSync(device), **common)
+            members.start(job["size"])
+            return run_training(config, run_dir, resume=job["resume"], sync=ProcessGroupSync(device), **common)
+        finally:
+            members.leave(finished=first)

@@ -1,0 +1,63 @@
+"""`raytrm train --elastic` on a local Ray: a worker stopped mid-run (a lid closed) costs the other a deadline, not a
+restart, and comes back into the run with a live peer's state."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from raytrm.distributed.ray_train import train_distributed
+from raytrm.train.run.metrics import read_metrics
+from tests.integration.test_distributed_train import experiment, puzzles  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.slow
+
+
+def _pid(run_dir, rank: int, timeout: float = 240) -> int:
+    """A worker's pid, from the line it logs as it starts."""
+    path = run_dir / "logs" / f"worker-{rank}.log"
+    end = time.time() + timeout
+    while time.time() < end:
+        if path.exists():
+            found = re.search(r"worker w\d+ \(pid (\d+)\)", path.read_text())
+            if found:
+                return int(found.group(1))
+        time.sleep(0.2)
+    raise AssertionError(f"no pid in {path}")
+
+
+def _steps(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    rows = [r for r in read_metrics(path) if "step" in r and "loss" in r] if path.exists() else []
+    return max((r["step"] for r in rows), default=0)
+
+
+def test_a_stopped_worker_costs_a_deadline_and_comes_back(ray_cluster, puzzles, tmp_path):  # noqa: F811
+    config = experiment(puzzles, steps=120)
+    run_dir = tmp_path / "run"
+    done: dict = {}
+    runner = threading.Thread(
+        target=lambda: done.update(summary=train_distributed(config, run_dir, workers=2, progress=False, elastic=True))
+    )
+    runner.start()
+    second = _pid(run_dir, 1)
+    end = time.time() + 300
+    while _steps(run_dir) < 25 and time.time() < end:  # past the first boundary, where the deadline is measured
+        time.sleep(0.2)
+    os.kill(second, signal.SIGSTOP)
+    time.sleep(8)
+    os.kill(second, signal.SIGCONT)
+    runner.join(timeout=600)
+    summary = done["summary"]
+    assert summary["steps"] == 120
+    changes = summary["membership"]
+    left = [c for c in changes if c["left"] == ["w01"]]
+    entered = [c for c in changes if c["entered"] == ["w01"]]
+    assert left and entered and left[0]["step"] < entered[0]["step"]
+    assert left[0]["waited_s"] < left[0]["deadline_s"] + 10  # the measured deadline, not the first 60 s
+    assert summary["workers"] == 2  # back together at the end
