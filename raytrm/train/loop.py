@@ -19,9 +19,9 @@ iteration:
 After the last step, the sync strategy lands what it holds, then `finish` (final evaluation, last checkpoint). In
 a run whose workers may come and go (`regroup`: raytrm.train.elastic), a peer lost in any collective of an
 iteration sends the loop to the next membership, after which the iteration runs again (the step redone, or
-skipped by a worker that takes a peer's state past it); every ADMIT_EVERY steps, at a boundary where the workers
-exchange, the members agree whether a worker waits to join, and admit it. Any other failure ends the run with the
-exception; what the hooks hold (a metrics file) is closed by whoever built them. A new
+skipped by a worker that takes a peer's state past it); at the first boundary where the workers exchange past each
+multiple of ADMIT_EVERY steps, the members agree whether a worker waits to join, and admit it. Any other failure
+ends the run with the exception; what the hooks hold (a metrics file) is closed by whoever built them. A new
 behaviour (a health check, another stop rule) is one more hook, picked by the runs that need it; `stop_reason` says
 why a run ended. A hook reads the loop's state (`probing`, `exchanging`, the clock) but never writes it: what it
 decides, it returns.
@@ -268,7 +268,9 @@ class Loop:
         self._recut()
         self.apply(_collect(hook.end_step(self, step) for hook in self.hooks))
         regroup = self.regroup
-        due = regroup is not None and self.exchanging and self.trainer.step % ADMIT_EVERY == 0
+        # A boundary that crossed a multiple of ADMIT_EVERY (local rounds end every H steps): the same on every rank.
+        step, rounds = self.trainer.step, self.trainer.strategy.every or 1
+        due = regroup is not None and self.exchanging and step // ADMIT_EVERY > (step - rounds) // ADMIT_EVERY
         if due and self.agreed(regroup.joins_waiting(self)):  # every member asks at the same step
             self._membership_events += regroup.recover(self)
 
