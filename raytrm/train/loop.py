@@ -301,7 +301,8 @@ class Loop:
         one; a smaller cut first gives freed heap back, or the smaller steps would measure as large."""
         if self.micro_batch is None and self.micro_batch_scale >= 1:
             return
-        base = self.micro_batch if self.micro_batch is not None else self.trainer.config.training.micro_batch
+        configured = self.trainer.cut.units(self.trainer.config.training.micro_batch)  # the config counts samples
+        base = self.micro_batch if self.micro_batch is not None else configured
         micro = max(1, int(base * self.micro_batch_scale))
         if micro == self.trainer.micro_batch:
             return

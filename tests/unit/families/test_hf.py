@@ -39,6 +39,18 @@ def grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
 
 
+def packed_widths(lengths: list[int], budget: int) -> list[int]:
+    """Reference: the records in order, a micro-batch closed where one more record would pad it past `budget` tokens
+    (its records x its longest); the width each micro-batch runs at."""
+    widths, count, longest = [], 0, 0
+    for n in lengths:
+        if count and (count + 1) * max(longest, n) > budget:
+            widths.append(longest)
+            count, longest = 0, 0
+        count, longest = count + 1, max(longest, n)
+    return [*widths, longest]
+
+
 def one_line(error: pytest.ExceptionInfo) -> str:
     text = str(error.value)
     assert "\n" not in text and "fix" in text, text
@@ -99,9 +111,15 @@ def test_the_macos_settings_are_raytrms(hf_config, monkeypatch, caplog, tmp_path
 
 @pytest.mark.parametrize(("task", "accumulation", "lora"), [("classify", 4, None), ("classify", 16, 4), ("lm", 4, 4)])
 def test_the_cut_and_the_padding_leave_the_gradient_unchanged(hf_config, task, accumulation, lora):
-    """1 micro-batch against 4, and against 16 of one record each (no padding at all): the same gradient."""
+    """1 micro-batch against a classifier's micro-batches of 4 records at max length (4 x 48 padded tokens, short
+    records packed more to one) and of one record each (no padding at all), and a language model's 4 windows: the
+    same gradient."""
     whole = Trainer(hf_config(task, {"lora_rank": lora}, still=True, grad_accum_steps=1))
     parts = Trainer(hf_config(task, {"lora_rank": lora}, still=True, grad_accum_steps=accumulation))
+    if task == "classify":
+        assert (parts.cut.unit, parts.micro_batch) == ("tokens", 48 * 16 // accumulation)
+        if accumulation == 16:
+            parts.set_micro_batch(1)  # a budget under any two records: each alone
     widths: list[int] = []
     real = parts.model.forward
 
@@ -117,11 +135,13 @@ def test_the_cut_and_the_padding_leave_the_gradient_unchanged(hf_config, task, a
         loss_a, metrics_a = whole.forward_backward(batch)
         loss_b, metrics_b = parts.forward_backward(batch)
         if task == "classify":
-            lengths = batch["lengths"].numpy()
-            assert lengths.max() >= 4 * lengths.min()  # records of very different lengths share the batch
-            # Each micro-batch runs at its own longest record, not the batch's.
-            per_part = lengths.reshape(accumulation, -1).max(axis=1)
-            assert widths == per_part.tolist()
+            lengths = batch["lengths"].tolist()
+            assert max(lengths) >= 4 * min(lengths)  # records of very different lengths share the batch
+            # Each micro-batch runs at its own longest record, not the batch's, holding as many records as fit.
+            assert widths == packed_widths(lengths, parts.micro_batch)
+            assert len(widths) == 16 if accumulation == 16 else 1 < len(widths) < accumulation
+        else:
+            assert widths == [16] * accumulation
         assert loss_a == pytest.approx(loss_b, rel=1e-5)
         assert metrics_a == pytest.approx(metrics_b, rel=1e-5)
         ga, gb = grads(whole), grads(parts)
