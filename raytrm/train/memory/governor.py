@@ -15,7 +15,8 @@ tests script them.
 A cut counts samples, or padded tokens (`unit`; raytrm.train.micro_batches): a Hugging Face classifier's micro-batch
 holds at most so many tokens counted as its records x its longest record. Then the fit is peak = fixed + per-token x
 the tokens a step had in flight at once (`after_step`'s size: under the cut, as records come in whole), the probe's
-cuts are whole records at their widest, and the cut moves by at least one such record (`widest_sample` tokens).
+cuts are whole records at their widest (the warm-up one record), and the cut moves by at least one such record
+(`widest_sample` tokens).
 """
 
 from __future__ import annotations
@@ -94,8 +95,11 @@ class MemoryGovernor:
             self._probe = list(self.probe_cuts)
         else:
             # Small, increasing probe cuts: the first step warms up at the smallest (one-time allocations land there).
+            # In tokens the warm-up holds one record at max length, which may be a large share of the budget: where
+            # the last probe passes the high-water mark, the fit still has two cuts besides the warm-up's.
             first = one * max(1, min(4, top // one // 8 or 1))
-            self._probe = sorted({first, min(top, 2 * first), min(top, 4 * first)})
+            cuts = (first, 2 * first, 4 * first) if one == 1 else (one, first, 2 * first)
+            self._probe = sorted({min(top, cut) for cut in cuts})
             while len(self._probe) < self.settings.probe_steps:
                 self._probe.insert(0, self._probe[0])
         self._current = self._probe[0] if self._probe else top
