@@ -98,6 +98,8 @@ class GovernorRow:
     events: list[dict] = field(default_factory=list)
     #: Cores other processes kept busy while the row ran (Linux; None elsewhere).
     others_cores: float | None = None
+    #: Steps before which the heap was given back (a step had peaked above the margin's line).
+    heap_releases: int = 0
 
 
 def steady_tail(steps: list[StepPeak]) -> list[StepPeak]:
@@ -242,6 +244,7 @@ def measure_row(
         trace=[{**asdict(s), "peak_mb": s.peak_bytes / MiB} for s in watch.steps],
         events=list(governor.events),
         others_cores=others,
+        heap_releases=memory.releases,
     )
 
 

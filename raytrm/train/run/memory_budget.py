@@ -9,7 +9,10 @@ that a measured peak over the budget halts it.
 
 The governor's cut is in the trainer's unit (raytrm.train.micro_batches): samples, or a classifier's padded tokens,
 where the config's micro-batch and global batch count records at their widest (max length) and each step's point is
-the tokens it had in flight.
+the tokens it had in flight. Steps of varied widths leave freed blocks in glibc's heap that the next steps' peaks
+count, and the peaks creep up the run; so where a token cut's step peaks above the margin's line, the heap is given
+back before the next step (`Cut.release`): a release costs a share of a step (the pages are faulted in again), so
+it is made only where the creep shows.
 
 On a GPU an adapting governor's settled points are kept per GPU and torch version, keyed by the model, its data and
 the step's shape (raytrm.fastpaths.tuned's store): the next run of the same model there starts at the fitted cut
@@ -46,6 +49,7 @@ class MemoryBudget(Hook):
         #: Why a holding run went over its budget: "predicted" or "measured"; None while it holds.
         self.over_budget: str | None = None
         self._seen = 0  # the governor's events before this step
+        self.releases = 0  # steps before which the heap was given back
         #: Where this run keeps its settled points for the next run of the model (GPUs only), and under what key.
         self.kept: tuple[TunedChoices, str] | None = None
         if not governor.hold:
@@ -107,7 +111,9 @@ class MemoryBudget(Hook):
         # A cut in tokens holds whole records: the step's point is the tokens it had in flight, not its cut.
         size = trainer.cut.in_flight if trainer.cut.width else None
         micro = governor.after_step(trainer.step, step.peak_bytes, pressure, size)
-        cut = Cut(micro, probing=governor.probing, widest=governor.measuring)
+        release = size is not None and step.peak_bytes > (1 - governor.settings.margin) * governor.budget_bytes
+        self.releases += release
+        cut = Cut(micro, probing=governor.probing, widest=governor.measuring, release=release)
         step.events += governor.events[self._seen :]
         if self.kept is not None and governor.settled and self.rank0:
             self.kept[0].put(self.kept[1], governor.measured_points())
@@ -126,7 +132,7 @@ class MemoryBudget(Hook):
                     cut,
                     Stop(
                         f"over budget: {self.predicted / MiB:.0f} MiB predicted at micro-batch "
-                        f"{governor.micro_batch}, budget {budget / MiB:.0f} MiB"
+                        f"{governor.micro_batch} {governor.unit}, budget {budget / MiB:.0f} MiB"
                     ),
                 ]
         elif not probed and loop.peak_bytes > budget:
@@ -144,8 +150,8 @@ class MemoryBudget(Hook):
             self.governor.load_state_dict(state)
 
     def summary(self) -> dict[str, Any]:
-        """The memory part of summary.json: budget, fit, predicted and measured peak, adaptations."""
-        return self.governor.summary(self.trainer.micro_batch)
+        """The memory part of summary.json: budget, fit, predicted and measured peak, adaptations, heap releases."""
+        return {**self.governor.summary(self.trainer.micro_batch), "heap_releases": self.releases}
 
 
 def _kept_fits(trainer: Trainer) -> tuple[TunedChoices, str] | None:
