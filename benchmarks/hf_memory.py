@@ -4,9 +4,11 @@ its budget.
 For each max length, all-MiniLM-L6-v2 (benchmarks.hf.find_model) trains on the docstring records
 (benchmarks.hf_corpus) as `raytrm train --model hf --model-path M --data records.csv --seq-len L --global-batch B
 --steps N --memory-budget-mb X --threads T --device cpu` resolves it (this machine's tier filling what those flags
-leave unset), under the loop and the governor that command runs: the governor probes small cuts at their widest
-(records padded to L), fits peak = fixed + per-sample x micro-batch, approaches the largest cut whose prediction
-stays under (1 - margin) of the budget, and shrinks a cut whose step peaks above the high-water mark. The run goes on
+leave unset), under the loop and the governor that command runs: a classifier's micro-batch counts padded tokens
+(its records x its longest record, raytrm.train.micro_batches), and the governor probes small cuts at their widest
+(records padded to L), fits peak = fixed + per-token x the tokens a step had in flight, approaches the largest cut
+whose prediction stays under (1 - margin) of the budget, and shrinks a cut whose step peaks above the high-water
+mark. The run goes on
 until `steady` steps in a row ran at one cut on their own records with no adaptation (or `max_steps`); the row is
 those steady steps. Then `widest_steps` more steps run at that cut with every record padded to max length (as the
 governor's probe runs them), measured outside the governor: the costliest records the cut may meet, which is what
@@ -49,13 +51,15 @@ GOAL_FLOOR = 0.85
 
 @dataclass
 class StepPeak:
-    """One step as the governor saw it: its cut, whether it ran at its widest, its peak, its adaptations."""
+    """One step as the governor saw it: its cut (padded tokens), whether it ran at its widest, its peak, its
+    adaptations, and the records of each of its micro-batches."""
 
     step: int
     micro_batch: int
     widest: bool
     peak_bytes: int
     events: list[str] = field(default_factory=list)
+    records: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -64,10 +68,12 @@ class GovernorRow:
     global_batch: int
     threads: int
     budget_mb: float
-    #: The micro-batch the steady steps ran (the largest of the trainer's even cut of the global batch at the
-    #: governor's), and the governor's own.
+    #: The cut the steady steps ran, in padded tokens (records x a micro-batch's longest), and the governor's own.
     micro_batch: int
     governor_micro_batch: int
+    #: The records a micro-batch of that cut holds at max length, and the most one of the steady steps' held.
+    records_widest: int
+    records_most: int
     steady_steps: int
     #: The steady steps' peaks, on their own records: the highest (the row's peak), the median and the lowest.
     peak_mb: float
@@ -80,7 +86,7 @@ class GovernorRow:
     widest_fraction: float
     widest_goal: bool
     widest_steps: int
-    #: The fit's peak at the settled micro-batch and at the whole global batch.
+    #: The fit's peak at the settled micro-batch and at the whole global batch (every record at max length).
     predicted_mb: float | None
     full_batch_predicted_mb: float | None
     fit: dict | None
@@ -92,6 +98,8 @@ class GovernorRow:
     events: list[dict] = field(default_factory=list)
     #: Cores other processes kept busy while the row ran (Linux; None elsewhere).
     others_cores: float | None = None
+    #: Steps before which the heap was given back (a step had peaked above the margin's line).
+    heap_releases: int = 0
 
 
 def steady_tail(steps: list[StepPeak]) -> list[StepPeak]:
@@ -139,7 +147,8 @@ class _Watch(Hook):
         # Runs after the governor's hook, before the loop applies its cut: the trainer still holds this step's.
         trainer = loop.trainer
         events = [e["event"] for e in step.events]
-        self.steps.append(StepPeak(trainer.step, trainer.micro_batch, trainer.widest, step.peak_bytes, events))
+        cut = (trainer.step, trainer.micro_batch, trainer.widest, step.peak_bytes, events, list(trainer.cuts))
+        self.steps.append(StepPeak(*cut))
 
     def stop(self, loop: Loop) -> str | None:
         if len(steady_tail(self.steps)) >= self.steady:
@@ -206,7 +215,7 @@ def measure_row(
     peak, fraction, goal = judge(peaks, governor.budget_bytes)
     widest_peak, widest_fraction, widest_goal = judge(widest, governor.budget_bytes)
     micro = tail[0].micro_batch
-    predicted, full = governor.predicted_peak(micro), governor.predicted_peak(global_batch)
+    predicted, full = governor.predicted_peak(micro), governor.predicted_peak(global_batch * max_length)
     return GovernorRow(
         max_length=max_length,
         global_batch=global_batch,
@@ -214,6 +223,8 @@ def measure_row(
         budget_mb=governor.budget_bytes / MiB,
         micro_batch=micro,
         governor_micro_batch=governor.micro_batch,
+        records_widest=max(1, micro // max_length),
+        records_most=max(max(s.records, default=0) for s in tail),
         steady_steps=len(tail),
         peak_mb=peak / MiB,
         median_peak_mb=statistics.median(peaks) / MiB,
@@ -233,6 +244,7 @@ def measure_row(
         trace=[{**asdict(s), "peak_mb": s.peak_bytes / MiB} for s in watch.steps],
         events=list(governor.events),
         others_cores=others,
+        heap_releases=memory.releases,
     )
 
 
@@ -292,8 +304,9 @@ def bench_governor(
 
 def format_rows(rows: list[GovernorRow]) -> str:
     head = (
-        f"{'max len':>7} {'batch':>5} {'budget MiB':>10} {'micro':>5} {'steady':>6} {'peak MiB min/med/max':>20} "
-        f"{'peak/budget':>11} {'widest MiB':>10} {'widest/budget':>13} {'fit MiB':>7} {'fit full':>8} "
+        f"{'max len':>7} {'batch':>5} {'budget MiB':>10} {'micro tokens':>12} {'records':>7} {'steady':>6} "
+        f"{'peak MiB min/med/max':>20} {'peak/budget':>11} {'widest MiB':>10} {'widest/budget':>13} {'fit MiB':>7} "
+        f"{'fit full':>8} "
         f"{'goal own/widest':>15} {'steps':>5} {'others':>6}"
     )
     lines = [head]
@@ -303,12 +316,15 @@ def format_rows(rows: list[GovernorRow]) -> str:
         full = f"{r.full_batch_predicted_mb:.0f}" if r.full_batch_predicted_mb is not None else ""
         goals = "/".join("yes" if g else "no" for g in (r.goal, r.widest_goal))
         others = f"{r.others_cores:.2f}" if r.others_cores is not None else ""
+        records = f"{r.records_widest}/{r.records_most}"
         lines.append(
-            f"{r.max_length:>7} {r.global_batch:>5} {r.budget_mb:>10.0f} {r.micro_batch:>5} {r.steady_steps:>6} "
-            f"{peaks:>20} {r.fraction:>11.3f} {r.widest_peak_mb:>10.0f} {r.widest_fraction:>13.3f} {fit:>7} "
-            f"{full:>8} {goals:>15} {r.steps:>5} {others:>6}"
+            f"{r.max_length:>7} {r.global_batch:>5} {r.budget_mb:>10.0f} {r.micro_batch:>12} {records:>7} "
+            f"{r.steady_steps:>6} {peaks:>20} {r.fraction:>11.3f} {r.widest_peak_mb:>10.0f} "
+            f"{r.widest_fraction:>13.3f} {fit:>7} {full:>8} {goals:>15} {r.steps:>5} {others:>6}"
         )
     lines.append(
+        "micro tokens: the settled cut, padded tokens a micro-batch may hold (its records x its longest); records: "
+        "what a micro-batch of it holds at max length / the most a steady step's held; "
         "peak: a step's resident high-water mark (VmHWM, the whole process), the governor's measure; steady: steps "
         "at the settled cut on their own records; widest: more steps at that cut, every record at max length; goal: "
         f"peak < budget and >= {GOAL_FLOOR:g} of it; fit: the governor's line at the cut and at the global batch"

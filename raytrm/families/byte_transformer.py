@@ -55,6 +55,7 @@ class TransformerTask:
 
     sparse_optimizer = None
     carry = None
+    cut_width = None  # micro-batches counted in samples: every sample runs seq_len tokens
     overlaps_sync = True  # the head and the last layers finish their gradients first: most bytes can leave early
 
     def __init__(

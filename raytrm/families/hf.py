@@ -2,8 +2,10 @@
 trained whole or with LoRA (peft) on the user's records, tokenized once with the model's tokenizer.
 
 A global batch's records come sorted by length, longest first, and padded to the longest; each micro-batch is cut
-to its own longest (dynamic padding), and padding is masked, so the cut changes the work, not the result. On a
-CPU's threads side by side, the records are shared out by their tokens (`slot_costs`), not their count. The
+to its own longest (dynamic padding), and padding is masked, so the cut changes the work, not the result. A
+classifier's micro-batch is counted in padded tokens (`cut_width`, raytrm.train.micro_batches): a micro-batch of n
+records at max length holds more records where they are short, within the same n x max length tokens. On a CPU's
+threads side by side, the records are shared out by their tokens (`slot_costs`), not their count. The
 cross-entropy is taken in fp32 whatever the forward's dtype, summed and divided by the global batch's documents
 (classify) or tokens (lm), so the gradient does not depend on the cut either. With LoRA a checkpoint holds what
 trains (the adapters and a classifier's head); the base weights are model.path's. At a run's end RUN_DIR/model is
@@ -112,6 +114,9 @@ class HFTask:
         self.lm = meta.task == "lm"
         self.label_names = tuple(meta.label_names or ())
         self.tokens_per_sample = meta.tokens_per_sample
+        # A classifier's micro-batch is counted in padded tokens, so that short records pack more to one; a language
+        # model's windows are all of max length, counted in samples.
+        self.cut_width = None if self.lm else config.model.seq_len
         torch.manual_seed(config.training.seed)  # a new head's (and LoRA's A's) initial weights
         self.pad_id = meta.pad_id
         self.model = build_model(config.model, self.label_names, meta.pad_id).to(device)

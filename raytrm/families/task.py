@@ -33,6 +33,10 @@ class Task(Protocol):
     sparse_optimizer: SignSGD | None
     #: Tokens a training sample holds, where throughput is counted in tokens (the language model); else None.
     tokens_per_sample: int | None
+    #: Where a micro-batch is counted in padded tokens (its records x its longest record, raytrm.train.micro_batches:
+    #: a Hugging Face classifier's records, of varied lengths), the most tokens a record may hold (max length); None
+    #: where it is counted in samples (every sample of a batch costs alike).
+    cut_width: int | None
     #: Whether most of the gradient is final well before the backward ends, so that summing it across workers during
     #: the backward pays (raytrm.sync.contract.OverlappedAllReduce).
     overlaps_sync: bool

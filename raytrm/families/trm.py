@@ -54,6 +54,7 @@ class TRMTask:
     """TRM on puzzles: one carry for this worker's slots of the global batch; micro-batches read and write theirs."""
 
     tokens_per_sample = None
+    cut_width = None  # micro-batches counted in puzzles
     # One network runs in every H/L cycle, so each weight's gradient is final only as the backward ends: there is
     # nothing to send while it runs.
     overlaps_sync = False

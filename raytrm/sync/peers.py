@@ -75,7 +75,7 @@ class Peers:
             sum(r.compute_seconds for r in steps) / len(steps),
             sum(r.sync_seconds for r in steps) / len(steps),
             trainer.last_overlap,
-            trainer.micro_batch,
+            max(trainer.cuts),  # samples, whatever the cut counts
             -1 if cap is None else cap,
             sum(r.seconds for r in steps) / len(steps),
             len(events),

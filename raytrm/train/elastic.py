@@ -30,7 +30,6 @@ from raytrm.sync.membership import Dropped, Membership, PeerLost, deadline_s, is
 from raytrm.sync.shares import shard, split
 from raytrm.sync.strategy import SyncStrategy
 from raytrm.train import trainer_state
-from raytrm.train.memory.fit import cut
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ class Elastic:
         state = sync.broadcast_object(state, src=source)
         trainer.shares = split(trainer.global_batch, [1.0] * sync.world_size)
         trainer.shard = shard(trainer.shares, sync.rank)
-        trainer.cuts = cut(trainer.local_batch, trainer.micro_batch)
+        trainer.cut.set(trainer.micro_batch, trainer.local_batch)
         own = [trainer.micro_batch] * sync.world_size  # each member keeps its own cut
         trainer_state.restore(trainer, {**state, "carry": None, "shares": trainer.shares, "micro_batches": own})
 

@@ -59,12 +59,15 @@ class Step:
 @dataclasses.dataclass(frozen=True)
 class Cut:
     """The memory governor's micro-batch for the following steps (None: the config's), whether it still probes the
-    cut (its first steps, part of the warm-up), and whether those steps run their batches at their widest (every
-    record at the most tokens it may hold: steps whose peaks the governor fits, so the fit holds for any records)."""
+    cut (its first steps, part of the warm-up), whether those steps run their batches at their widest (every
+    record at the most tokens it may hold: steps whose peaks the governor fits, so the fit holds for any records),
+    and whether to give the heap's freed blocks back first (raytrm.train.memory.peak.trim_heap: steps of varied
+    widths leave blocks behind that a later step's peak would count)."""
 
     micro_batch: int | None
     probing: bool = False
     widest: bool = False
+    release: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +227,8 @@ class Loop:
             if isinstance(decision, Cut):
                 self.micro_batch, self.probing = decision.micro_batch, decision.probing
                 self.trainer.widest = decision.widest
+                if decision.release:
+                    trim_heap()
             elif isinstance(decision, Threads):
                 apply_threads(decision.count)
             elif isinstance(decision, Scale):
@@ -305,7 +310,8 @@ class Loop:
         one; a smaller cut first gives freed heap back, or the smaller steps would measure as large."""
         if self.micro_batch is None and self.micro_batch_scale >= 1:
             return
-        base = self.micro_batch if self.micro_batch is not None else self.trainer.config.training.micro_batch
+        configured = self.trainer.cut.units(self.trainer.config.training.micro_batch)  # the config counts samples
+        base = self.micro_batch if self.micro_batch is not None else configured
         micro = max(1, int(base * self.micro_batch_scale))
         if micro == self.trainer.micro_batch:
             return

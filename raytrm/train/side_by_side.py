@@ -175,6 +175,15 @@ class ThreadedMicroBatches:
                 raise error
         return [result for f in futures for result in f.result()]
 
+    def run_rounds(self, rounds: list[list[list[slice]]], micro_step: Callable[[nn.Module, slice], T]) -> list[T]:
+        """Each round's groups as `run` runs them, one round after another (a round of one group runs on this thread,
+        with all of torch's threads); results in order."""
+        results: list[T] = []
+        for groups in rounds:
+            alone = [micro_step(self.model, part) for part in groups[0]] if len(groups) == 1 else None
+            results += alone if alone is not None else self.run(groups, micro_step)
+        return results
+
     def gather(self, replicas: list[nn.Module]) -> None:
         """Add the replicas' gradients to the model's, in order, and hand their sparse rows over; theirs are reset."""
         for replica in replicas:

@@ -8,7 +8,8 @@ Life cycle (as torchtitan's):
 - `train_step`: accumulate this worker's micro-batches, reduce them with the sync strategy, apply the optimizer;
   a step the allocator refuses is redone from the same state at the smaller cut `on_out_of_memory` returns.
   `forward_backward` and `optimizer_step` are its halves. `set_micro_batch` and `set_shares` re-cut the following
-  global batches, never a step's samples or gradient.
+  global batches, never a step's samples or gradient; a micro-batch counts samples, or a classifier's padded tokens
+  (raytrm.train.micro_batches: the task's `cut_width`).
 - `evaluate` scores the EMA weights on the held-out split; `state_dict` / `load_state_dict` hold everything a resume
   needs (raytrm.train.trainer_state); `close` releases the batch stream, the sync's hooks and the threads.
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import math
 import time
@@ -43,9 +43,9 @@ from raytrm.sync.strategy import SyncStrategy
 from raytrm.train import side_by_side, trainer_state
 from raytrm.train.batches import BatchStream
 from raytrm.train.compile import compile_regions, plan_compile, use_compile_caches
-from raytrm.train.memory.fit import cut
 from raytrm.train.memory.oom import is_out_of_memory
 from raytrm.train.memory.peak import one_heap
+from raytrm.train.micro_batches import MicroBatches
 from raytrm.train.optim import ModelEMA, build_optimizer, lr_at, step_weights
 from raytrm.train.resources import ResourceSampler
 from raytrm.train.torch_threads import apply_threads
@@ -115,7 +115,8 @@ class Trainer:
         #: Samples of each global batch per worker, in rank order; this worker trains the slots of `shard`.
         self.shares = list(shares) if shares else split(self.global_batch, [1.0] * self.sync.world_size)
         self.shard = shard(self.shares, self.sync.rank)
-        self.cuts = cut(self.local_batch, train.micro_batch)
+        #: The cut of this worker's share into micro-batches, in samples or in padded tokens (`cut.unit`).
+        self.cut = MicroBatches(self.local_batch, train.micro_batch, self.task.cut_width)
         self.last_compute_s = self.last_sync_s = 0.0
         #: Measure the next optimizer step's update/weight ratio (a copy of the weights: asked for on logged steps).
         self.watch_update = False
@@ -128,23 +129,20 @@ class Trainer:
         self.samples_seen = 0
         self.samples_seen_this_run = 0
         self.current_lr = lr_at(0, train, train.steps)
-        self.batches = BatchStream(
-            self.train_data, self.global_batch, train.seed, train.dataloader_workers, self.device
-        )
+        workers = train.dataloader_workers
+        self.batches = BatchStream(self.train_data, self.global_batch, train.seed, workers, self.device)
         self._sample_bytes = 0  # input bytes of one sample, known from the first step
         self.resources = ResourceSampler()
         #: How this worker's steps join its peers' (raytrm.sync.strategy): the one sync object of the run.
         self.strategy = SyncStrategy(self, sync, train, overlaps=self.task.overlaps_sync)
-        #: On a CPU with several threads, micro-batches run side by side, one share of the slots per thread (as many
-        #: threads as torch has at each step: the thermal guard may halve them).
+        #: On a CPU with several threads, micro-batches run side by side (raytrm.train.micro_batches says how each cut
+        #: shares them), on as many threads as torch has at each step: the thermal guard may halve them.
         threaded = side_by_side.available(self.device, bool(self.compiled))
         self._threaded = side_by_side.ThreadedMicroBatches(self.model) if threaded else None
         if self.device.type == devices.CPU and self.dtype == torch.float32:
             logger.info("CPU products: %s", onednn.reason())
         if self._threaded is not None and self.threads["threads"] > 1:
-            logger.info(
-                "micro-batches: one share of the slots per thread, %d threads side by side", self.threads["threads"]
-            )
+            logger.info("micro-batches on %d threads side by side, cut in %s", self.threads["threads"], self.cut.unit)
 
     @property
     def carry(self) -> Carry | None:
@@ -239,19 +237,18 @@ class Trainer:
         return reduced.loss, reduced.totals, reduced.samples
 
     def _accumulate(self, batch: dict[str, torch.Tensor], step: Any) -> tuple[Scalar, dict[str, Scalar]]:
-        """This worker's loss and metric sums over its micro-batches, added up on the device: side by side on a
-        CPU's threads, or one after another through the sync strategy (which may start the gradient's sum during the
-        last backward)."""
+        """This worker's loss and metric sums over its micro-batches, added up on the device: side by side on a CPU's
+        threads, or one after another through the sync strategy (which may start the gradient's sum in the last one)."""
         if not self.model.training:  # train() visits every module: host time every step, with the device idle
             self.model.train()
         totals: dict[str, Scalar] = {}
         loss_sum: Scalar = 0.0
-        threads = side_by_side.side_by_side(self.local_batch, self.micro_batch, torch.get_num_threads())
-        if self._threaded is not None and threads > 1 and not self.strategy.overlapped and not side_by_side.observed():
-            groups = side_by_side.plan(self.local_batch, self.micro_batch, threads, self.task.slot_costs(step))
-            results = self._threaded.run(groups, lambda model, part: self.task.micro_step(batch, part, step, model))
+        alone = self._threaded is None or self.strategy.overlapped or side_by_side.observed()
+        parts, rounds = self.cut.plan(self.task.slot_costs(step), 1 if alone else torch.get_num_threads())
+        if rounds and self._threaded is not None:  # side by side on the CPU's threads
+            results = self._threaded.run_rounds(rounds, lambda model, p: self.task.micro_step(batch, p, step, model))
         else:
-            results = [self.task.micro_step(batch, part, step) for part in self.strategy.micro_batches(self.slices())]
+            results = [self.task.micro_step(batch, part, step) for part in self.strategy.micro_batches(parts)]
         for loss, metrics in results:
             loss_sum += loss
             for key, value in metrics.items():
@@ -268,18 +265,21 @@ class Trainer:
 
     @property
     def micro_batch(self) -> int:
-        """The largest micro-batch of the current cut."""
-        return max(self.cuts)
+        """The cut in its unit (`cut.unit`): the largest micro-batch in samples, or the padded tokens one may hold."""
+        return self.cut.largest
 
-    def slices(self) -> list[slice]:
-        """This worker's micro-batches, as slices of its own slots."""
-        bounds = [0, *itertools.accumulate(self.cuts)]
-        return [slice(a, b) for a, b in itertools.pairwise(bounds)]
+    @property
+    def cuts(self) -> list[int]:
+        """The samples of each micro-batch (of the latest step, where the cut counts padded tokens)."""
+        return self.cut.counts
+
+    def slices(self, lengths: Sequence[int] | None = None) -> list[slice]:
+        """This worker's micro-batches, as slices of its own slots (a cut in tokens: of records of these lengths)."""
+        return self.cut.parts(lengths)
 
     def set_micro_batch(self, micro_batch: int) -> list[int]:
-        """Re-cut this worker's share into micro-batches of at most micro_batch; samples and gradient are unchanged."""
-        self.cuts = cut(self.local_batch, micro_batch)
-        return self.cuts
+        """Re-cut this worker's share, micro_batch a micro-batch at most (the cut's unit); the gradient is unchanged."""
+        return self.cut.set(micro_batch)
 
     def set_shares(self, shares: Sequence[int]) -> None:
         """Split the following global batches anew between the workers (every rank calls it with the same shares).
@@ -289,7 +289,7 @@ class Trainer:
         self.shard = shard(self.shares, self.sync.rank)
         if full is not None:
             self.task.load_carry({k: v[self.shard] for k, v in full.items()}, self.device)
-        self.cuts = cut(self.local_batch, self.micro_batch)
+        self.cut.set(self.micro_batch, self.local_batch)
 
     def global_carry(self) -> dict[str, torch.Tensor] | None:
         """The carry of every slot of the global batch (a collective with several workers); None without one."""
@@ -325,7 +325,7 @@ class Trainer:
         model.eval()
         context = self.ema.swapped(model) if self.ema is not None else contextlib.nullcontext()
         with context:
-            result = self.task.evaluate(self.micro_batch, max_batches)
+            result = self.task.evaluate(self.cut.samples_at_widest(), max_batches)
         model.train(was_training)
         return result
 

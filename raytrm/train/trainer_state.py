@@ -9,6 +9,7 @@ another experiment, or with tensors of other shapes, is refused in one line.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -16,8 +17,10 @@ import torch
 from raytrm import config as cfg
 from raytrm.sync.shares import shard
 from raytrm.train.checkpoint_fit import check_checkpoint_fits, model_state
-from raytrm.train.memory.fit import cut
+from raytrm.train.micro_batches import SAMPLES
 from raytrm.train.optim import load_optimizer_state
+
+logger = logging.getLogger(__name__)
 
 
 def capture(trainer: Any, gathered: bool = True) -> dict[str, Any]:
@@ -37,6 +40,7 @@ def capture(trainer: Any, gathered: bool = True) -> dict[str, Any]:
             if gathered
             else [trainer.micro_batch]
         ),
+        "micro_batch_unit": trainer.cut.unit,  # samples, or a classifier's padded tokens
         "step": trainer.step,
         "samples_seen": trainer.samples_seen,
         "rng": {"torch": torch.get_rng_state(), **trainer.task.rng_state()},
@@ -66,7 +70,12 @@ def restore(trainer: Any, state: dict[str, Any]) -> None:
     carry = state["carry"]
     trainer.task.load_carry({k: v[trainer.shard] for k, v in carry.items()} if carry else None, trainer.device)
     micro = state.get("micro_batches") or [max(int(c) for c in state["cuts"])]
-    trainer.cuts = cut(trainer.local_batch, int(micro[trainer.sync.rank] if same_workers else micro[0]))
+    micro_batch = int(micro[trainer.sync.rank] if same_workers else micro[0])
+    if state.get("micro_batch_unit", SAMPLES) != trainer.cut.unit:  # written before a classifier's cut counted tokens
+        patched = trainer.cut.units(micro_batch)
+        logger.info("the checkpoint's micro-batch %d counts samples: patched to %d %s", micro_batch, patched, "tokens")
+        micro_batch = patched
+    trainer.cut.set(micro_batch, trainer.local_batch)
     trainer.step = int(state["step"])
     trainer.samples_seen = int(state["samples_seen"])
     if trainer.step < 0 or trainer.samples_seen < 0:  # the batch stream is a function of the step: no negative ones

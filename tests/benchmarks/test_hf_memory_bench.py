@@ -60,8 +60,10 @@ def test_the_row_line_says_whether_each_goal_holds():
         global_batch=64,
         threads=2,
         budget_mb=2600,
-        micro_batch=3,
-        governor_micro_batch=3,
+        micro_batch=1600,
+        governor_micro_batch=1600,
+        records_widest=3,
+        records_most=9,
         steady_steps=8,
         peak_mb=2000,
         median_peak_mb=1950,
@@ -84,7 +86,8 @@ def test_the_row_line_says_whether_each_goal_holds():
         "512",
         "64",
         "2600",
-        "3",
+        "1600",
+        "3/9",
         "8",
         "1900/1950/2000",
         "0.769",
@@ -123,7 +126,9 @@ def test_a_row_trains_under_the_governor_until_it_holds_a_cut(tmp_path, monkeypa
     ]
     assert main(argv) == 0
     (row,) = json.loads(out.read_text())["results"]["governor"]
-    assert row["max_length"] == 32 and row["steady_steps"] == 2 and row["micro_batch"] == 16
+    # The whole batch in one micro-batch: 16 records at max length, in padded tokens.
+    assert row["max_length"] == 32 and row["steady_steps"] == 2 and row["micro_batch"] == 16 * 32
+    assert row["records_widest"] == row["records_most"] == 16
     assert row["trace"][0]["widest"] and not row["trace"][-1]["widest"]
     assert row["peak_mb"] == max(s["peak_mb"] for s in row["trace"][-2:])
     assert row["widest_steps"] == 1 and row["widest_peak_mb"] > 0

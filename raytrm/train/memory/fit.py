@@ -3,6 +3,9 @@
 Memory of these models is close to linear in the micro-batch (activations scale with it; weights, optimizer state
 and the runtime do not), so two or three measured points predict the rest. The trainer trusts this prediction
 before it trusts exceptions, because on the CPU an oversized step raises nothing: the kernel kills the process.
+
+A micro-batch counts samples, or padded tokens for a Hugging Face classifier (raytrm.train.micro_batches): then
+per_sample is per token, and a point's micro-batch is the tokens its step had in flight.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ class MemoryFit:
         """(predicted - measured) / measured at each fitted point."""
         return [(self.predict(b) - peak) / peak for b, peak in self.points]
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self, unit: str = "samples") -> dict[str, object]:
+        """The fit for a summary: per_sample_mb, or per_token_mb where the micro-batch counts tokens."""
         return {
             "fixed_mb": self.fixed_bytes / MiB,
-            "per_sample_mb": self.per_sample_bytes / MiB,
+            f"per_{unit.removesuffix('s')}_mb": self.per_sample_bytes / MiB,
             "points": [{"micro_batch": b, "peak_mb": p / MiB} for b, p in self.points],
         }
 

@@ -11,6 +11,12 @@ model measured on this machine (`known_points`), it skips the probe and the appr
 chooses: on a GPU the walk's small cuts make slow steps and the first step at each new cut records CUDA graphs for its
 shape. Decisions are pure functions of what it is told (step peaks, pressure, out-of-memory errors, known points), so
 tests script them.
+
+A cut counts samples, or padded tokens (`unit`; raytrm.train.micro_batches): a Hugging Face classifier's micro-batch
+holds at most so many tokens counted as its records x its longest record. Then the fit is peak = fixed + per-token x
+the tokens a step had in flight at once (`after_step`'s size: under the cut, as records come in whole), the probe's
+cuts are whole records at their widest (the warm-up one record), and the cut moves by at least one such record
+(`widest_sample` tokens).
 """
 
 from __future__ import annotations
@@ -53,6 +59,10 @@ class MemoryGovernor:
     hold: bool = False
     #: (cut, peak bytes) an earlier run of the same model measured on this machine: start at their fit's cut.
     known_points: tuple[tuple[int, int], ...] = ()
+    #: What a cut counts: "samples", or "tokens" (padded: a micro-batch's records x its longest record).
+    unit: str = "samples"
+    #: The units one sample holds at its widest (in tokens, max length): the least a cut holds and moves by.
+    widest_sample: int = 1
     events: list[dict] = field(default_factory=list)
     fit: MemoryFit | None = None
     target: int | None = None
@@ -65,7 +75,7 @@ class MemoryGovernor:
     _known: bool = False  # the points began with known ones: none of them is a warm-up step's
 
     def __post_init__(self) -> None:
-        top = min(self.max_micro_batch, self.global_batch)
+        top, one = min(self.max_micro_batch, self.global_batch), self.widest_sample
         if self.known_points and not self.hold and len({cut for cut, _ in self.known_points}) >= 2:
             self._points, self._known = [(int(b), int(p)) for b, p in self.known_points], True
             self._refit()
@@ -78,15 +88,18 @@ class MemoryGovernor:
                 self.target,
                 f"the fit kept from an earlier run of this model here ({len(self.fit.points)} cuts) predicts "
                 f"{self.fit.predict(self.target) / MiB:.0f} MiB of {self.budget_bytes / MiB:.0f} MiB at micro-batch "
-                f"{self.target}; no probe",
+                f"{self.target} {self.unit}; no probe",
             )
             return
         if self.probe_cuts or self.hold:
             self._probe = list(self.probe_cuts)
         else:
             # Small, increasing probe cuts: the first step warms up at the smallest (one-time allocations land there).
-            first = max(1, min(4, top // 8 or 1))
-            self._probe = sorted({first, min(top, 2 * first), min(top, 4 * first)})
+            # In tokens the warm-up holds one record at max length, which may be a large share of the budget: where
+            # the last probe passes the high-water mark, the fit still has two cuts besides the warm-up's.
+            first = one * max(1, min(4, top // one // 8 or 1))
+            cuts = (first, 2 * first, 4 * first) if one == 1 else (one, first, 2 * first)
+            self._probe = sorted({min(top, cut) for cut in cuts})
             while len(self._probe) < self.settings.probe_steps:
                 self._probe.insert(0, self._probe[0])
         self._current = self._probe[0] if self._probe else top
@@ -126,25 +139,30 @@ class MemoryGovernor:
             "event": kind,
             "micro_batch_from": self._current,
             "micro_batch_to": new,
+            "unit": self.unit,
             "reason": reason,
         }
         self.events.append(event)
-        logger.info("step %d: %s micro-batch %d -> %d: %s", step, kind, self._current, new, reason)
+        logger.info("step %d: %s micro-batch %d -> %d %s: %s", step, kind, self._current, new, self.unit, reason)
         self._current = new
 
-    def after_step(self, step: int, peak_bytes: int, pressure: str | None = None) -> int:
-        """Record a step's measured peak (and the system's pressure); returns the micro-batch for the next step."""
+    def after_step(self, step: int, peak_bytes: int, pressure: str | None = None, size: int | None = None) -> int:
+        """Record a step's measured peak (and the system's pressure); returns the micro-batch for the next step.
+
+        size: the units the step had in flight at once, where they fall short of its cut (a cut in tokens holds whole
+        records); the cut itself where not given."""
         self.peak_bytes = max(self.peak_bytes, peak_bytes)
-        self._points.append((self._current, peak_bytes))
+        self._points.append((self._current if size is None else int(size), peak_bytes))
         if self._probe:
             self._probe.pop(0)
             if self._probe and peak_bytes > self.settings.high_water * self.budget_bytes and self._cuts_measured() >= 2:
                 # The larger probes would only go further past the budget: fit on the cuts measured so far.
                 logger.info(
-                    "step %d: peak %.0f MiB at probe cut %d is above %.0f%% of the budget: larger probes skipped",
+                    "step %d: peak %.0f MiB at probe cut %d %s is above %.0f%% of the budget: larger probes skipped",
                     step,
                     peak_bytes / MiB,
                     self._current,
+                    self.unit,
                     100 * self.settings.high_water,
                 )
                 self._probe.clear()
@@ -158,7 +176,7 @@ class MemoryGovernor:
             return self._choose(step)
         if self.hold:
             return self._current
-        budget = self.budget_bytes
+        budget, one = self.budget_bytes, self.widest_sample
         if peak_bytes > self.settings.high_water * budget or pressure in ("warn", "critical"):
             why = (
                 f"pressure {pressure}"
@@ -169,9 +187,9 @@ class MemoryGovernor:
             if pressure in ("warn", "critical"):
                 # The system, not this step, is short of memory: shed a real share of the activations.
                 share = 2 if pressure == "critical" else 3  # keep half, or three quarters
-                smaller = max(1, min(self._current - 1, self._current * share // 4))
+                smaller = max(one, min(self._current - one, self._current * share // 4))
             else:
-                smaller = max(1, min(self._current - 1, self._fitting(self.settings.margin)))
+                smaller = max(one, min(self._current - one, self._fitting(self.settings.margin)))
                 self.target = smaller  # the fit promised more than this machine gives: aim lower from now on
             if smaller < self._current:
                 self._event(step, "shrink", smaller, why)
@@ -203,17 +221,20 @@ class MemoryGovernor:
         if self.fit is None or not self._points or slot_bytes <= 0:
             return None
         micro, peak = self._points[-1]  # the last step held today's share
-        held = peak - self.fit.per_sample_bytes * (micro - 1)
+        held = peak - self.fit.per_sample_bytes * (micro - self.widest_sample)
         room = (1 - self.settings.margin) * self.budget_bytes - held
         return max(1, share + math.floor(room / slot_bytes))
 
     def on_out_of_memory(self, step: int) -> int:
         """An allocator refused a step (CUDA, MPS): halve the micro-batch for the redo of the same samples."""
-        if self._current <= 1:
-            raise MemoryError("out of memory at micro-batch 1: the model does not fit this device")
+        if self._current <= self.widest_sample:
+            raise MemoryError(
+                f"out of memory at micro-batch {self._current} {self.unit} (one sample a micro-batch): the model does "
+                "not fit this device"
+            )
         self._probe.clear()
         self._approaching = False
-        self.target = max(1, self._current // 2)
+        self.target = max(self.widest_sample, self._current // 2)
         self._event(step, "out-of-memory", self.target, "the allocator raised out-of-memory; the step is redone")
         return self._current
 
@@ -232,7 +253,7 @@ class MemoryGovernor:
         """The target, or as far towards it as one step of the approach may move (self.target is set)."""
         assert self.target is not None
         largest = max(b for b, _ in self._points)
-        return min(self.target, max(self._current + 1, math.floor(self.settings.approach * largest)))
+        return min(self.target, max(self._current + self.widest_sample, math.floor(self.settings.approach * largest)))
 
     def _approach(self, step: int) -> None:
         """One step of the approach: refit with this step's peak, aim again, move on at most `approach` times."""
@@ -249,12 +270,13 @@ class MemoryGovernor:
             "approach",
             nearer,
             f"refit on {len(self.fit.points)} cuts predicts {self.fit.predict(self.target) / MiB:.0f} MiB at "
-            f"micro-batch {self.target}, {self.fit.predict(nearer) / MiB:.0f} MiB at {nearer}",
+            f"micro-batch {self.target} {self.unit}, {self.fit.predict(nearer) / MiB:.0f} MiB at {nearer}",
         )
 
     def _fitting(self, margin: float) -> int:
         assert self.fit is not None
-        return self.fit.largest_micro_batch(self.budget_bytes, margin=margin, limit=self.max_micro_batch)
+        fits = self.fit.largest_micro_batch(self.budget_bytes, margin=margin, limit=self.max_micro_batch)
+        return max(self.widest_sample, fits)  # no cut holds less than one sample
 
     def _choose(self, step: int) -> int:
         self._refit()
@@ -273,13 +295,13 @@ class MemoryGovernor:
         approach = (
             f"; approached at most {self.settings.approach:g}x a step, refitting on each" if self._approaching else ""
         )
+        per = f"{self.fit.per_sample_bytes / MiB:.{2 if self.widest_sample == 1 else 4}f} MiB/{self.unit[:-1]}"
         self._event(
             step,
             "choose",
             nearer,
-            f"fit {self.fit.fixed_bytes / MiB:.0f} MiB + {self.fit.per_sample_bytes / MiB:.2f} MiB/sample "
-            f"predicts {self.fit.predict(self.target) / MiB:.0f} MiB of {self.budget_bytes / MiB:.0f} MiB at "
-            f"micro-batch {self.target}{approach}",
+            f"fit {self.fit.fixed_bytes / MiB:.0f} MiB + {per} predicts {self.fit.predict(self.target) / MiB:.0f} MiB "
+            f"of {self.budget_bytes / MiB:.0f} MiB at micro-batch {self.target} {self.unit}{approach}",
         )
         return self._current
 
@@ -295,13 +317,18 @@ class MemoryGovernor:
             "known": self._known,
             "peak_bytes": self.peak_bytes,
             "events": list(self.events),
+            "unit": self.unit,
         }
 
     def load_state_dict(self, state: dict) -> None:
         target = state["target"]
-        self._current, self.target = int(state["current"]), None if target is None else int(target)
-        self._points = [(int(b), int(p)) for b, p in state["points"]]
-        self._probe = [int(b) for b in state["probe"]]
+        # A checkpoint from before cuts counted tokens counts samples (absent: "samples"), each at its widest.
+        scale = self.widest_sample if state.get("unit", "samples") != self.unit else 1
+        if scale != 1:
+            logger.info("the checkpoint's memory governor counts samples: cuts patched to %s (x %d)", self.unit, scale)
+        self._current, self.target = int(state["current"]) * scale, None if target is None else int(target) * scale
+        self._points = [(int(b) * scale, int(p)) for b, p in state["points"]]
+        self._probe = [int(b) * scale for b in state["probe"]]
         self._calm_steps, self.peak_bytes = int(state["calm_steps"]), int(state["peak_bytes"])
         self._approaching = bool(state.get("approaching", False))  # absent from checkpoints before the approach
         self._known = bool(state.get("known", False))  # absent from checkpoints before known points
@@ -316,8 +343,9 @@ class MemoryGovernor:
         return {
             "memory_budget_mb": self.budget_bytes / MiB,
             "micro_batch": micro,
+            "micro_batch_unit": self.unit,
             "predicted_peak_mb": self.fit.predict(micro) / MiB if self.fit else None,
             "measured_peak_mb": self.peak_bytes / MiB,
-            "fit": self.fit.to_dict() if self.fit else None,
+            "fit": self.fit.to_dict(self.unit) if self.fit else None,
             "adaptations": list(self.events),
         }

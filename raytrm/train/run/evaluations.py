@@ -19,8 +19,8 @@ def evaluate_quality(trainer: Trainer, eval_puzzles: int | None, quality_metric:
     The trainer's cut is restored afterwards."""
     measure = score(trainer.config.model, quality_metric)
     micro = trainer.micro_batch
-    trainer.set_micro_batch(trainer.global_batch)
-    batches = math.ceil(eval_puzzles / trainer.micro_batch) if eval_puzzles else None
+    trainer.set_micro_batch(trainer.cut.units(trainer.global_batch))
+    batches = math.ceil(eval_puzzles / trainer.cut.samples_at_widest()) if eval_puzzles else None
     scores = trainer.evaluate(max_batches=batches)
     trainer.set_micro_batch(micro)
     value = scores.get(measure.name)

@@ -7,6 +7,13 @@ of it (real training steps, part of the warm-up), and the fit's prediction for t
 a step the machine cannot hold (on the CPU an oversized step raises nothing: the kernel kills the process). After
 that a measured peak over the budget halts it.
 
+The governor's cut is in the trainer's unit (raytrm.train.micro_batches): samples, or a classifier's padded tokens,
+where the config's micro-batch and global batch count records at their widest (max length) and each step's point is
+the tokens it had in flight. Steps of varied widths leave freed blocks in glibc's heap that the next steps' peaks
+count, and the peaks creep up the run; so where a token cut's step peaks above the margin's line, the heap is given
+back before the next step (`Cut.release`): a release costs a share of a step (the pages are faulted in again), so
+it is made only where the creep shows.
+
 On a GPU an adapting governor's settled points are kept per GPU and torch version, keyed by the model, its data and
 the step's shape (raytrm.fastpaths.tuned's store): the next run of the same model there starts at the fitted cut
 instead of compiling every cut on the way up to it.
@@ -42,6 +49,7 @@ class MemoryBudget(Hook):
         #: Why a holding run went over its budget: "predicted" or "measured"; None while it holds.
         self.over_budget: str | None = None
         self._seen = 0  # the governor's events before this step
+        self.releases = 0  # steps before which the heap was given back
         #: Where this run keeps its settled points for the next run of the model (GPUs only), and under what key.
         self.kept: tuple[TunedChoices, str] | None = None
         if not governor.hold:
@@ -58,12 +66,15 @@ class MemoryBudget(Hook):
             return None
         kept = _kept_fits(trainer)
         found, known = kept[0].get(kept[1]) if kept else (False, None)
+        units = trainer.cut.units
         governor = MemoryGovernor(
             budget_bytes=train.memory_budget_mb * MiB,
-            global_batch=train.global_batch_size,
-            max_micro_batch=train.micro_batch_size or train.global_batch_size,
+            global_batch=units(train.global_batch_size),
+            max_micro_batch=units(train.micro_batch_size or train.global_batch_size),
             settings=settings or GovernorSettings(),
             known_points=tuple(tuple(point) for point in known) if found else (),
+            unit=trainer.cut.unit,
+            widest_sample=units(1),
         )
         budget = cls(trainer, governor, reader or MemoryReader(device=trainer.device))
         # Only a run that probed keeps its points: a started one's first step (one-time allocations) would raise them.
@@ -73,15 +84,17 @@ class MemoryBudget(Hook):
     @classmethod
     def holding(cls, trainer: Trainer, budget_mb: float) -> MemoryBudget:
         """A trial's: its micro-batch, probed at a quarter and a half first where it is large enough to tell."""
-        train = trainer.config.training
+        train, units = trainer.config.training, trainer.cut.units
         micro = train.micro_batch
-        probe = (micro // 4, micro // 2) if micro >= PROBE_MIN_MICRO else ()
+        probe = (units(micro // 4), units(micro // 2)) if micro >= PROBE_MIN_MICRO else ()
         governor = MemoryGovernor(
             budget_bytes=budget_mb * MiB,
-            global_batch=train.global_batch_size,
-            max_micro_batch=micro,
+            global_batch=units(train.global_batch_size),
+            max_micro_batch=units(micro),
             probe_cuts=probe,
             hold=True,
+            unit=trainer.cut.unit,
+            widest_sample=units(1),
         )
         return cls(trainer, governor)
 
@@ -95,8 +108,12 @@ class MemoryBudget(Hook):
         governor, trainer = self.governor, self.trainer
         probed = governor.probing
         pressure = self.reader.read().pressure if self.reader is not None else None
-        micro = governor.after_step(trainer.step, step.peak_bytes, pressure)
-        cut = Cut(micro, probing=governor.probing, widest=governor.measuring)
+        # A cut in tokens holds whole records: the step's point is the tokens it had in flight, not its cut.
+        size = trainer.cut.in_flight if trainer.cut.width else None
+        micro = governor.after_step(trainer.step, step.peak_bytes, pressure, size)
+        release = size is not None and step.peak_bytes > (1 - governor.settings.margin) * governor.budget_bytes
+        self.releases += release
+        cut = Cut(micro, probing=governor.probing, widest=governor.measuring, release=release)
         step.events += governor.events[self._seen :]
         if self.kept is not None and governor.settled and self.rank0:
             self.kept[0].put(self.kept[1], governor.measured_points())
@@ -115,7 +132,7 @@ class MemoryBudget(Hook):
                     cut,
                     Stop(
                         f"over budget: {self.predicted / MiB:.0f} MiB predicted at micro-batch "
-                        f"{governor.micro_batch}, budget {budget / MiB:.0f} MiB"
+                        f"{governor.micro_batch} {governor.unit}, budget {budget / MiB:.0f} MiB"
                     ),
                 ]
         elif not probed and loop.peak_bytes > budget:
@@ -133,8 +150,8 @@ class MemoryBudget(Hook):
             self.governor.load_state_dict(state)
 
     def summary(self) -> dict[str, Any]:
-        """The memory part of summary.json: budget, fit, predicted and measured peak, adaptations."""
-        return self.governor.summary(self.trainer.micro_batch)
+        """The memory part of summary.json: budget, fit, predicted and measured peak, adaptations, heap releases."""
+        return {**self.governor.summary(self.trainer.micro_batch), "heap_releases": self.releases}
 
 
 def _kept_fits(trainer: Trainer) -> tuple[TunedChoices, str] | None:
@@ -149,6 +166,7 @@ def _kept_fits(trainer: Trainer) -> tuple[TunedChoices, str] | None:
         "compile": train.compile,
         "global_batch": train.global_batch_size,
         "local_batch": trainer.local_batch,
+        **({"unit": trainer.cut.unit} if trainer.cut.width else {}),  # points in tokens are not those in samples
     }
     key = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:32]
     name = torch.cuda.get_device_name(trainer.device)

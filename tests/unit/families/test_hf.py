@@ -39,6 +39,23 @@ def grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
 
 
+def packed_slices(lengths: list[int], budget: int) -> list[slice]:
+    """Reference: the records in order, a micro-batch closed where one more record would pad it past `budget` tokens
+    (its records x its longest)."""
+    parts, start, longest = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (i + 1 - start) * max(longest, n) > budget:
+            parts.append(slice(start, i))
+            start, longest = i, 0
+        longest = max(longest, n)
+    return [*parts, slice(start, len(lengths))]
+
+
+def packed_widths(lengths: list[int], budget: int) -> list[int]:
+    """The width each of packed_slices' micro-batches runs at: its longest record."""
+    return [max(lengths[part]) for part in packed_slices(lengths, budget)]
+
+
 def one_line(error: pytest.ExceptionInfo) -> str:
     text = str(error.value)
     assert "\n" not in text and "fix" in text, text
@@ -99,9 +116,15 @@ def test_the_macos_settings_are_raytrms(hf_config, monkeypatch, caplog, tmp_path
 
 @pytest.mark.parametrize(("task", "accumulation", "lora"), [("classify", 4, None), ("classify", 16, 4), ("lm", 4, 4)])
 def test_the_cut_and_the_padding_leave_the_gradient_unchanged(hf_config, task, accumulation, lora):
-    """1 micro-batch against 4, and against 16 of one record each (no padding at all): the same gradient."""
+    """1 micro-batch against a classifier's micro-batches of 4 records at max length (4 x 48 padded tokens, short
+    records packed more to one) and of one record each (no padding at all), and a language model's 4 windows: the
+    same gradient."""
     whole = Trainer(hf_config(task, {"lora_rank": lora}, still=True, grad_accum_steps=1))
     parts = Trainer(hf_config(task, {"lora_rank": lora}, still=True, grad_accum_steps=accumulation))
+    if task == "classify":
+        assert (parts.cut.unit, parts.micro_batch) == ("tokens", 48 * 16 // accumulation)
+        if accumulation == 16:
+            parts.set_micro_batch(1)  # a budget under any two records: each alone
     widths: list[int] = []
     real = parts.model.forward
 
@@ -117,11 +140,13 @@ def test_the_cut_and_the_padding_leave_the_gradient_unchanged(hf_config, task, a
         loss_a, metrics_a = whole.forward_backward(batch)
         loss_b, metrics_b = parts.forward_backward(batch)
         if task == "classify":
-            lengths = batch["lengths"].numpy()
-            assert lengths.max() >= 4 * lengths.min()  # records of very different lengths share the batch
-            # Each micro-batch runs at its own longest record, not the batch's.
-            per_part = lengths.reshape(accumulation, -1).max(axis=1)
-            assert widths == per_part.tolist()
+            lengths = batch["lengths"].tolist()
+            assert max(lengths) >= 4 * min(lengths)  # records of very different lengths share the batch
+            # Each micro-batch runs at its own longest record, not the batch's, holding as many records as fit.
+            assert widths == packed_widths(lengths, parts.micro_batch)
+            assert len(widths) == 16 if accumulation == 16 else 1 < len(widths) < accumulation
+        else:
+            assert widths == [16] * accumulation
         assert loss_a == pytest.approx(loss_b, rel=1e-5)
         assert metrics_a == pytest.approx(metrics_b, rel=1e-5)
         ga, gb = grads(whole), grads(parts)
@@ -205,6 +230,52 @@ def test_a_cpus_threads_share_a_classifiers_records_by_their_tokens(hf_config):
     assert uneven  # the stand-in's records are of very different lengths: halves by count would wait on the long
 
 
+@pytest.mark.skipif(
+    not side_by_side.available(torch.device("cpu"), compiled=False), reason="needs OpenMP and MKL (per-thread counts)"
+)
+def test_a_token_cut_on_two_threads_runs_each_micro_batch_split_within_its_budget(hf_config):
+    """Micro-batches of 2 records at max length (96 padded tokens) on two threads: each micro-batch of the token cut
+    runs as one round, split where its padded tokens are most even, so what runs at once never pads past 96 tokens;
+    the gradient is the one micro-batch's."""
+    from raytrm.train.micro_batches import token_parts
+
+    alone = Trainer(hf_config(still=True, threads=1))
+    side = Trainer(hf_config(still=True, threads=2, grad_accum_steps=8))
+    assert (side.cut.unit, side.micro_batch) == ("tokens", 96)
+    shapes: list[tuple[int, int]] = []
+    side.model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        for step in range(3):
+            indices = batch_indices(len(alone.train_data), 16, 3, step)
+            batch = {k: torch.from_numpy(v) for k, v in alone.train_data.batch(indices).items()}
+            lengths = batch["lengths"].tolist()
+            shapes.clear()
+            torch.set_num_threads(1)
+            loss_a, _ = alone.forward_backward(batch)
+            torch.set_num_threads(2)
+            loss_b, _ = side.forward_backward(batch)
+            parts, expected, in_flight = packed_slices(lengths, 96), [], 0
+            for part in parts:
+                shares = side_by_side.balanced_shares(lengths[part], min(2, part.stop - part.start))
+                expected += [(s.stop - s.start, lengths[part][s.start]) for s in shares]
+                in_flight = max(in_flight, sum((s.stop - s.start) * lengths[part][s.start] for s in shares))
+            assert token_parts(lengths, 96) == parts and 1 < len(parts) < 8  # fewer than 8 of 2 records: packed
+            assert sorted(shapes) == sorted(expected) and len(shapes) > len(parts)  # some rounds split in two
+            assert side.cut.in_flight == in_flight <= 96
+            assert loss_a == pytest.approx(loss_b, rel=1e-5)
+            ga, gb = grads(alone), grads(side)
+            scale = max(float(g.abs().max()) for g in ga.values())
+            for key in ga:
+                torch.testing.assert_close(ga[key], gb[key], rtol=1e-4, atol=1e-6 * scale, msg=key)
+            alone.optimizer_step()
+            side.optimizer_step()
+    finally:
+        side.close()
+        alone.close()
+
+
 def test_a_batch_at_its_widest_runs_every_record_at_max_length_with_the_same_gradient(hf_config):
     """The memory governor fits its steps' peaks on batches at their widest: the records padded to model.seq_len
     cost what the longest possible records would, and the padding is masked, so the step learns the same."""
@@ -262,13 +333,68 @@ def test_a_memory_budget_runs_the_steps_it_fits_on_at_their_widest_and_the_other
     assert all(max(w) < 48 for _, wide, w in steps if not wide)  # the others cut to their own longest record
 
 
-@pytest.mark.parametrize(("task", "lora"), [("classify", None), ("classify", 4), ("lm", 4)])
-def test_resume_is_exact_and_a_lora_checkpoint_holds_what_trains(hf_config, tmp_path, task, lora):
+def test_a_budget_cuts_a_classifier_in_padded_tokens_fitted_on_records_at_max_length(hf_config, monkeypatch):
+    """The governor counts a classifier's cut in padded tokens: its probes are whole records at max length (48), its
+    points the tokens a step had in flight, and the cut its fit chooses packs more of the real, shorter records into
+    a micro-batch than fit at max length. Peaks are scripted (1000 MiB + 0.5 MiB a token in flight), so the choice is
+    exact: (0.9 x 1340 - 1000) / 0.5 = 412 tokens, 8 records at max length. A step that peaks above that line but
+    under the high-water mark (as the heap's history can make one) has the heap given back before the next step."""
+    from raytrm.train import loop as loop_module
+    from raytrm.train.loop import Hook, Loop
+    from raytrm.train.run.memory_budget import MemoryBudget
+    from raytrm.train.run.stop_rules import StepLimit
+
+    trainer = Trainer(hf_config(steps=10, memory_budget_mb=1340, threads=1))
+    budget = MemoryBudget.adapting(trainer)
+    assert budget is not None and budget.governor.unit == "tokens"
+    shapes: list[tuple[int, int]] = []
+    trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    steps: list[tuple[bool, int, int, list[tuple[int, int]]]] = []  # (widest, cut, tokens in flight, shapes)
+
+    class ScriptedPeak(Hook):
+        def before_step(self, loop: Loop) -> None:
+            shapes.clear()
+
+        def after_step(self, loop: Loop, step: Any) -> None:
+            crept = 1240 if trainer.step == 8 else 0  # over 0.9 x 1340 = 1206 MiB, under 0.95 x 1340 = 1273 MiB
+            step.peak_bytes = int((crept or 1000 + 0.5 * trainer.cut.in_flight) * 2**20)
+            steps.append((trainer.widest, trainer.micro_batch, trainer.cut.in_flight, list(shapes)))
+
+    released: list[int] = []
+    monkeypatch.setattr(loop_module, "trim_heap", lambda: released.append(trainer.step))
+    try:
+        Loop(trainer, [ScriptedPeak(), budget, StepLimit(10)], measure_peak=False).run()
+    finally:
+        trainer.close()
+    governor = budget.governor
+    assert [cut for _, cut, _, _ in steps[:3]] == [48, 96, 192]  # 1 (the warm-up), 2 and 4 records at max length
+    assert all(size % 48 == 0 for wide, _, size, _ in steps if wide)  # the fitted steps: whole records in flight
+    assert governor.fit is not None and governor.fit.per_sample_bytes == pytest.approx(0.5 * 2**20, rel=1e-3)
+    assert trainer.micro_batch == governor.target == 412 and budget.summary()["micro_batch_unit"] == "tokens"
+    settled = [shape for wide, cut, _, seen in steps if not wide and cut == 412 for shape in seen]
+    assert settled and all(n * width <= 412 or n == 1 for n, width in settled)
+    assert max(n for n, _ in settled) > 412 // 48  # short records: more to a micro-batch than at max length
+    assert all(e["unit"] == "tokens" for e in governor.events)
+    assert released == [8] and budget.summary()["heap_releases"] == 1 and trainer.micro_batch == 412
+
+
+@pytest.mark.parametrize(
+    ("task", "lora", "accumulation"), [("classify", None, 1), ("classify", 4, 1), ("lm", 4, 1), ("classify", None, 8)]
+)
+def test_resume_is_exact_and_a_lora_checkpoint_holds_what_trains(hf_config, tmp_path, task, lora, accumulation):
+    """N steps and N more resumed are 2N steps bit for bit; with accumulation, a classifier's cut in padded tokens
+    (2 records at max length) packs each step's records anew, and a resume cuts them as the straight run did."""
     # The models keep their dropout (0.1): an exact resume also needs torch's generator back.
     model = {"lora_rank": lora, "lora_dropout": 0.1 if lora else 0.0}
-    straight = run_training(hf_config(task, model, steps=4, eval_interval=2), tmp_path / "straight")
-    run_training(hf_config(task, model, steps=2, eval_interval=2), tmp_path / "split")
-    resumed = run_training(hf_config(task, model, steps=4, eval_interval=2), tmp_path / "split", resume=True)
+    config = lambda steps: hf_config(task, model, steps=steps, eval_interval=2, grad_accum_steps=accumulation)  # noqa: E731
+    straight = run_training(config(4), tmp_path / "straight")
+    run_training(config(2), tmp_path / "split")
+    resumed = run_training(config(4), tmp_path / "split", resume=True)
+    assert straight["micro_batches"] == resumed["micro_batches"]
+    if accumulation > 1:  # the last step's micro-batches: records packed into 96 padded tokens, more than 2 each
+        assert sum(straight["micro_batches"]) == 16 and len(straight["micro_batches"]) < accumulation
     assert resumed["resumed_from_step"] == 2
     a, b = assert_same_run(tmp_path / "straight", tmp_path / "split")
     assert a["step"] == b["step"] == 4 and a["ema"] is not None

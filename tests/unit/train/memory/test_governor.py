@@ -289,3 +289,73 @@ def test_real_budget_is_used_and_respected(sudoku_dir, tmp_path):
     fit = memory["fit"]
     assert fit["fixed_mb"] + fewer * fit["per_sample_mb"] > (1 - GovernorSettings().margin) * budget_mb, memory
     assert summary["peak_step_mb"] >= 0.7 * budget_mb, memory
+
+
+# -- a cut in padded tokens (a Hugging Face classifier) ---------------------------------------------------------------
+
+
+def widest_in_flight(cut: int, width: int = 100, records: int = 64) -> int:
+    """The tokens a step at its widest has in flight under a token cut: whole records at max length."""
+    return max(1, min(records, cut // width)) * width
+
+
+def test_a_governor_in_tokens_probes_whole_records_and_fits_on_the_tokens_in_flight():
+    """Records at max length 100: the probe's cuts are whole records, each step's point is the tokens it had in
+    flight (whole records, under the cut), and the fit's line chooses a cut that need not be whole records."""
+    gov = MemoryGovernor(1000 * MiB, global_batch=6400, max_micro_batch=6400, unit="tokens", widest_sample=100)
+    line = lambda tokens: int((400 + 0.11 * tokens) * MiB)  # noqa: E731 - the machine's true memory curve
+    seen = []
+    for step in range(1, 7):
+        seen.append(gov.micro_batch)
+        size = widest_in_flight(gov.micro_batch)
+        gov.after_step(step, line(size), size=size)
+    # The warm-up at one record, probes of 4 and 8; then (0.9 x 1000 - 400) / 0.11 = 4545 tokens, at most doubling.
+    assert seen == [100, 400, 800, 1600, 3200, 4545] and gov.target == 4545
+    assert [cut for cut, _ in gov.measured_points()] == [400, 800, 1600, 3200, 4500]  # 4545 tokens: 45 records
+    assert gov.predicted_peak(4500) == pytest.approx(line(4500), rel=1e-9)
+    assert all(e["unit"] == "tokens" for e in gov.events)
+    assert "MiB/token" in gov.events[0]["reason"] and "micro-batch 4545 tokens" in gov.events[0]["reason"]
+    summary = gov.summary()
+    assert summary["micro_batch_unit"] == "tokens" and summary["fit"]["per_token_mb"] == pytest.approx(0.11)
+
+
+def test_a_governor_in_tokens_moves_by_whole_records_and_never_below_one():
+    gov = MemoryGovernor(1000 * MiB, global_batch=6400, max_micro_batch=6400, unit="tokens", widest_sample=100)
+    line = lambda tokens: int((400 + 0.11 * tokens) * MiB)  # noqa: E731
+    for step in range(1, 6):
+        size = widest_in_flight(gov.micro_batch)
+        gov.after_step(step, line(size), size=size)
+    assert gov.micro_batch == 4545
+    # A peak above the high-water mark at 45 records: the refit, on 960 MiB at 4500 tokens, moves the cut down.
+    gov.after_step(6, 960 * MiB, size=4500)
+    assert gov.events[-1]["event"] == "shrink" and gov.micro_batch == 4177
+    small = MemoryGovernor(1000 * MiB, global_batch=6400, max_micro_batch=6400, unit="tokens", widest_sample=100)
+    small.load_state_dict(gov.state_dict())
+    small.after_step(7, 960 * MiB, size=4100)  # a refit that would barely move: still one record at max length
+    assert small.micro_batch <= 4177 - 100
+    # Pressure keeps three quarters; out of memory halves, down to one record, and then there is nothing to cut.
+    gov.after_step(7, 500 * MiB, pressure="warn", size=widest_in_flight(gov.micro_batch))
+    assert gov.micro_batch == 4177 * 3 // 4
+    assert [gov.on_out_of_memory(8 + i) for i in range(5)] == [1566, 783, 391, 195, 100]
+    with pytest.raises(MemoryError, match="micro-batch 100 tokens"):
+        gov.on_out_of_memory(20)
+    # A fit that has no room for even one record at max length still cuts one record at a time.
+    tight = MemoryGovernor(500 * MiB, global_batch=6400, max_micro_batch=6400, unit="tokens", widest_sample=100)
+    for step in range(1, 3):
+        size = widest_in_flight(tight.micro_batch)
+        tight.after_step(step, int((440 + 0.11 * size) * MiB), size=size)
+    assert (tight.micro_batch, tight.target) == (100, 100)  # (450 - 440) / 0.11 = 90 tokens: less than one record
+
+
+def test_a_checkpoints_governor_in_samples_is_patched_to_tokens():
+    """A run that checkpointed before a classifier's cut counted tokens: its cuts were records at max length."""
+    line = lambda b: int((400 + 11 * b) * MiB)  # noqa: E731
+    old = MemoryGovernor(budget_bytes=1000 * MiB, global_batch=64, max_micro_batch=64)
+    for step in range(1, 5):
+        old.after_step(step, line(old.micro_batch))
+    state = {k: v for k, v in old.state_dict().items() if k != "unit"}  # as written before the unit was kept
+    new = MemoryGovernor(1000 * MiB, global_batch=6400, max_micro_batch=6400, unit="tokens", widest_sample=100)
+    new.load_state_dict(json.loads(json.dumps(state)))
+    assert new.micro_batch == 100 * old.micro_batch and new.target == 100 * old.target
+    assert [b for b, _ in new.measured_points()] == [100 * b for b, _ in old.measured_points()]
+    assert new.predicted_peak(100 * old.micro_batch) == pytest.approx(old.predicted_peak(old.micro_batch))
