@@ -137,7 +137,7 @@ class ElasticWorker:
         from raytrm.distributed.run_logs import worker_logs
         from raytrm.distributed.workers import node_tier, worker_config
         from raytrm.hardware import device as devices
-        from raytrm.sync.membership import Membership
+        from raytrm.sync.membership import Membership, RunFinished
         from raytrm.sync.process_group import ProcessGroupSync
         from raytrm.train.elastic import Elastic
         from raytrm.train.run.training import run_training
@@ -160,5 +160,8 @@ class ElasticWorker:
                 return run_training(config, run_dir, join_sync=lambda: ProcessGroupSync(device), **common)
             members.start(job["size"])
             return run_training(config, run_dir, resume=job["resume"], sync=ProcessGroupSync(device), **common)
+        except RunFinished:  # away when the run ended: nothing of it to do
+            logger.warning("worker %s: the run ended while it was away", self.name)
+            return {"finished_outside": True}
         finally:
             members.leave(finished=first)

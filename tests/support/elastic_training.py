@@ -13,10 +13,21 @@ import torch
 from raytrm.sync.membership import Membership, RunFinished
 from raytrm.sync.process_group import ProcessGroupSync
 from raytrm.train.elastic import Elastic
-from raytrm.train.loop import Hook, Loop
+from raytrm.train.loop import Hook, Loop, Stop
 from raytrm.train.run.peers import PeersHook
 from raytrm.train.run.stop_rules import StepLimit
 from raytrm.train.trainer import Trainer
+
+
+class StopWhenAsked(Hook):
+    """Ends the run at the first step after the test sets the store's "stop" key (rank 0 reads it, all agree)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def end_step(self, loop: Loop, step: Any) -> Any:
+        asked = loop.trainer.sync.rank == 0 and self.store.check(["stop"])
+        return Stop("asked") if loop.agreed(asked) else None
 
 
 class Gaps(Hook):
@@ -54,8 +65,13 @@ def worker(name: str, port: int, plan: dict[str, Any], config: Any, results: Any
         trainer = Trainer(config, sync=ProcessGroupSync(device))
         results.put(("ready", name, os.getpid()))
     gaps = Gaps()
-    loop = Loop(trainer, [PeersHook(trainer), gaps, StepLimit(plan["steps"])], measure_peak=False, regroup=elastic)
-    loop.run()
+    limit = StopWhenAsked(store) if plan.get("until_asked") else StepLimit(plan["steps"])
+    loop = Loop(trainer, [PeersHook(trainer), gaps, limit], measure_peak=False, regroup=elastic)
+    try:
+        loop.run()
+    except RunFinished:  # left behind, and the others ended the run before this worker was let back in
+        results.put(("done", name, {"finished_outside": True}))
+        return
     # As numpy: a tensor would travel through a file descriptor that dies with this process.
     weights = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()]).numpy()
     members.leave()
