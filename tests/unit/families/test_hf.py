@@ -205,29 +205,39 @@ def test_a_cpus_threads_share_a_classifiers_records_by_their_tokens(hf_config):
     uneven = 0
     try:
         for step in range(3):
-            indices = batch_indices(len(alone.train_data), 16, 3, step)
-            batch = {k: torch.from_numpy(v) for k, v in alone.train_data.batch(indices).items()}
-            lengths = batch["lengths"].tolist()
             shapes.clear()
-            torch.set_num_threads(1)
-            loss_a, _ = alone.forward_backward(batch)
-            torch.set_num_threads(2)
-            loss_b, _ = side.forward_backward(batch)
+            lengths, loss_a, loss_b = _one_step_each(alone, side, step)
             shares = side_by_side.balanced_shares(lengths, 2)
             assert sorted(shapes) == sorted((s.stop - s.start, lengths[s.start]) for s in shares)
             by_count = max(side_by_side.padded_cost(lengths, s) for s in (slice(0, 8), slice(8, 16)))
             uneven += max(side_by_side.padded_cost(lengths, s) for s in shares) < by_count
-            assert loss_a == pytest.approx(loss_b, rel=1e-5)
-            ga, gb = grads(alone), grads(side)
-            scale = max(float(g.abs().max()) for g in ga.values())
-            for key in ga:
-                torch.testing.assert_close(ga[key], gb[key], rtol=1e-4, atol=1e-6 * scale, msg=key)
-            alone.optimizer_step()
-            side.optimizer_step()
+            _assert_same_step(alone, side, loss_a, loss_b)
     finally:
         side.close()
         alone.close()
     assert uneven  # the stand-in's records are of very different lengths: halves by count would wait on the long
+
+
+def _one_step_each(alone: Trainer, side: Trainer, step: int) -> tuple[list[int], float, float]:
+    """The same global batch through a one-thread Trainer and a two-thread one: its records' lengths, both losses."""
+    indices = batch_indices(len(alone.train_data), 16, 3, step)
+    batch = {k: torch.from_numpy(v) for k, v in alone.train_data.batch(indices).items()}
+    torch.set_num_threads(1)
+    loss_a, _ = alone.forward_backward(batch)
+    torch.set_num_threads(2)
+    loss_b, _ = side.forward_backward(batch)
+    return batch["lengths"].tolist(), loss_a, loss_b
+
+
+def _assert_same_step(alone: Trainer, side: Trainer, loss_a: float, loss_b: float) -> None:
+    """Both took the same loss and gradient (to fp32 rounding); then both step."""
+    assert loss_a == pytest.approx(loss_b, rel=1e-5)
+    ga, gb = grads(alone), grads(side)
+    scale = max(float(g.abs().max()) for g in ga.values())
+    for key in ga:
+        torch.testing.assert_close(ga[key], gb[key], rtol=1e-4, atol=1e-6 * scale, msg=key)
+    alone.optimizer_step()
+    side.optimizer_step()
 
 
 @pytest.mark.skipif(
@@ -248,14 +258,8 @@ def test_a_token_cut_on_two_threads_runs_each_micro_batch_split_within_its_budge
     )
     try:
         for step in range(3):
-            indices = batch_indices(len(alone.train_data), 16, 3, step)
-            batch = {k: torch.from_numpy(v) for k, v in alone.train_data.batch(indices).items()}
-            lengths = batch["lengths"].tolist()
             shapes.clear()
-            torch.set_num_threads(1)
-            loss_a, _ = alone.forward_backward(batch)
-            torch.set_num_threads(2)
-            loss_b, _ = side.forward_backward(batch)
+            lengths, loss_a, loss_b = _one_step_each(alone, side, step)
             parts, expected, in_flight = packed_slices(lengths, 96), [], 0
             for part in parts:
                 shares = side_by_side.balanced_shares(lengths[part], min(2, part.stop - part.start))
@@ -264,13 +268,7 @@ def test_a_token_cut_on_two_threads_runs_each_micro_batch_split_within_its_budge
             assert token_parts(lengths, 96) == parts and 1 < len(parts) < 8  # fewer than 8 of 2 records: packed
             assert sorted(shapes) == sorted(expected) and len(shapes) > len(parts)  # some rounds split in two
             assert side.cut.in_flight == in_flight <= 96
-            assert loss_a == pytest.approx(loss_b, rel=1e-5)
-            ga, gb = grads(alone), grads(side)
-            scale = max(float(g.abs().max()) for g in ga.values())
-            for key in ga:
-                torch.testing.assert_close(ga[key], gb[key], rtol=1e-4, atol=1e-6 * scale, msg=key)
-            alone.optimizer_step()
-            side.optimizer_step()
+            _assert_same_step(alone, side, loss_a, loss_b)
     finally:
         side.close()
         alone.close()
