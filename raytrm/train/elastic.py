@@ -88,11 +88,13 @@ class Elastic:
                     came_back = True
                     view = self.membership.join()
                 trainer.sync.regrouped()
+                formed = self.clock()
                 self._take_furthest_state(trainer, newcomer=came_back)
                 break
             except Exception as error:  # the new set lost a member too: the next one
                 if not self.lost(error):
                     raise
+        state_taken = self.clock()
         self._restart_sync(loop)
         self.timed = True
         event = {
@@ -105,6 +107,8 @@ class Elastic:
             "waited_s": round(waited, 3),
             "deadline_s": self.membership.deadline,
             "seconds": round(self.clock() - begin, 3),
+            # the change's parts: forming the membership, taking the state, the sync strategy anew
+            "parts_s": [round(formed - begin, 3), round(state_taken - formed, 3), round(self.clock() - state_taken, 3)],
         }
         self.changes.append(event)
         if trainer.sync.rank == 0:
@@ -127,6 +131,9 @@ class Elastic:
         trainer.shares = split(trainer.global_batch, [1.0] * sync.world_size)
         trainer.shard = shard(trainer.shares, sync.rank)
         trainer.cut.set(trainer.micro_batch, trainer.local_batch)
+        if sync.rank == source:  # its own state: only the carry of its slots starts afresh, as everyone's does
+            trainer.task.load_carry(None, trainer.device)
+            return
         own = [trainer.micro_batch] * sync.world_size  # each member keeps its own cut
         trainer_state.restore(trainer, {**state, "carry": None, "shares": trainer.shares, "micro_batches": own})
 

@@ -275,7 +275,7 @@ class Loop:
         regroup = self.regroup
         # A boundary that crossed a multiple of ADMIT_EVERY (local rounds end every H steps): the same on every rank.
         step, rounds = self.trainer.step, self.trainer.strategy.every or 1
-        due = regroup is not None and self.exchanging and step // ADMIT_EVERY > (step - rounds) // ADMIT_EVERY
+        due = regroup is not None and self.exchanging and step // ADMIT_EVERY > max(0, step - rounds) // ADMIT_EVERY
         if due and self.agreed(regroup.joins_waiting(self)):  # every member asks at the same step
             self._membership_events += regroup.recover(self)
 
