@@ -206,6 +206,7 @@ def test_resume_with_the_starting_config_takes_only_its_length(tiny, tmp_path, c
     [
         (["train", "--steps", "abc"], "--steps: 'abc' is not an integer; give an integer (optimizer steps to run)"),
         (["train", "--lr", "x"], "--lr: 'x' is not a number; give a number (peak learning rate)"),
+        (["train", "--elastic", "--steps", "2"], "--elastic needs several workers: give --workers N or --address"),
         (["tune", "--trials", "1.5"], "--trials: '1.5' is not an integer; give an integer (trials per tier)"),
         (["data", "sudoku", "--out", "d", "--count", "many"], "--count: 'many' is not an integer; give an integer"),
         (
