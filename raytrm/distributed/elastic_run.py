@@ -39,8 +39,11 @@ NODE_POLL_S = 5.0
 FIRST_DEADLINE_S = 60.0
 
 
-def fit_elastic(job: dict, count: int, on_cluster: bool, nodes: Sequence[Any], run_dir: Path) -> None:
-    """Train to the end with workers that may come and go (see the module docstring)."""
+def fit_elastic(
+    job: dict, count: int, on_cluster: bool, nodes: Sequence[Any], run_dir: Path, grow: bool = True
+) -> None:
+    """Train to the end with workers that may come and go (see the module docstring). `grow`: a machine that joins
+    the cluster takes part (no worker count was asked); otherwise only to bring the run back to `count` workers."""
     import ray
     from torch.distributed import TCPStore
 
@@ -83,7 +86,7 @@ def fit_elastic(job: dict, count: int, on_cluster: bool, nodes: Sequence[Any], r
                 next_look = time.monotonic() + NODE_POLL_S
                 busy = {node_id for _, node_id in runs.values()}
                 for node in raytrm_nodes():
-                    if node.node_id not in busy:
+                    if node.node_id not in busy and (grow or len(runs) < count):
                         logger.warning("a raytrm machine at %s has no worker: it joins the run", node.address)
                         start(f"w{joined:02d}", node.node_id, join=True)
                         joined += 1

@@ -189,7 +189,7 @@ def train_distributed(
         if elastic:
             from raytrm.distributed.elastic_run import fit_elastic
 
-            fit_elastic(job, count, on_cluster, nodes, run_dir)
+            fit_elastic(job, count, on_cluster, nodes, run_dir, grow=workers is None)
         else:
             _fit(job, count, on_cluster, nodes, run_dir, max_failures)
         return json.loads((run_dir / SUMMARY_FILE).read_text())
