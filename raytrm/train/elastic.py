@@ -51,8 +51,7 @@ class Elastic:
         view = self.membership.join()
         trainer.sync = sync_factory()
         self._take_furthest_state(trainer, newcomer=True)
-        train, overlaps = trainer.config.training, trainer.task.overlaps_sync
-        trainer.strategy = SyncStrategy(trainer, trainer.sync, train, overlaps=overlaps)
+        trainer.strategy = _strategy(trainer)
         self.changes.append(
             {"event": "membership", "step": trainer.step, "epoch": view.epoch, "entered": [self.membership.me]}
         )
@@ -141,10 +140,13 @@ class Elastic:
         """The sync strategy built anew over the new set (the mode chosen again in `auto`), the hooks told."""
         trainer = loop.trainer
         trainer.strategy.close()
-        trainer.strategy = SyncStrategy(
-            trainer, trainer.sync, trainer.config.training, overlaps=trainer.task.overlaps_sync
-        )
+        trainer.strategy = _strategy(trainer)
         trainer.strategy.start()
         loop.exchanging = trainer.strategy.exchanging
         for hook in loop.hooks:
             hook.on_regroup(loop)
+
+
+def _strategy(trainer: Any) -> SyncStrategy:
+    """The sync strategy over the trainer's sync as it is now, built as the Trainer builds its own."""
+    return SyncStrategy(trainer, trainer.sync, trainer.config.training, overlaps=trainer.task.overlaps_sync)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import signal
 import sys
 import time
@@ -35,11 +34,7 @@ def rig(tmp_path_factory):
         pytest.skip(f"namespace hosts cannot be made here: {reason}")
     hosts = [HostSpec("studio", lan=LAN_RATE), HostSpec("mba", lan=LAN_RATE)]
     with Rig(tmp_path_factory.mktemp("paths"), hosts, [LinkSpec("tb", "studio", "mba", rate=TB_RATE)]) as made:
-        token = secrets.token_hex(32)
-        for host in made.hosts.values():
-            (host.home / ".ray").mkdir()
-            (host.home / ".ray" / "auth_token").write_text(token)
-            (host.home / ".ray" / "auth_token").chmod(0o600)
+        made.share_token()
         yield made
 
 

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from raytrm.distributed.ray_train import train_distributed
-from raytrm.train.run.metrics import read_metrics
 from tests.integration.test_distributed_train import experiment, puzzles  # noqa: F401 (a fixture)
+from tests.support.elastic_training import steps_logged
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +31,6 @@ def _pid(run_dir, rank: int, timeout: float = 240) -> int:
     raise AssertionError(f"no pid in {path}")
 
 
-def _steps(run_dir) -> int:
-    path = run_dir / "metrics.jsonl"
-    rows = [r for r in read_metrics(path) if "step" in r and "loss" in r] if path.exists() else []
-    return max((r["step"] for r in rows), default=0)
-
-
 def test_a_stopped_worker_costs_a_deadline_and_comes_back(ray_cluster, puzzles, tmp_path):  # noqa: F811
     config = experiment(puzzles, steps=120)
     run_dir = tmp_path / "run"
@@ -47,7 +41,7 @@ def test_a_stopped_worker_costs_a_deadline_and_comes_back(ray_cluster, puzzles, 
     runner.start()
     second = _pid(run_dir, 1)
     end = time.time() + 300
-    while _steps(run_dir) < 25 and time.time() < end:  # past the first boundary, where the deadline is measured
+    while steps_logged(run_dir) < 25 and time.time() < end:  # past the first boundary, where the deadline is measured
         time.sleep(0.2)
     os.kill(second, signal.SIGSTOP)
     time.sleep(8)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,9 +15,17 @@ from raytrm.sync.membership import Membership, RunFinished
 from raytrm.sync.process_group import ProcessGroupSync
 from raytrm.train.elastic import Elastic
 from raytrm.train.loop import Hook, Loop, Stop
+from raytrm.train.run.metrics import read_metrics
 from raytrm.train.run.peers import PeersHook
 from raytrm.train.run.stop_rules import StepLimit
 from raytrm.train.trainer import Trainer
+
+
+def steps_logged(run_dir: Path) -> int:
+    """The last step with a loss in a run directory's metrics.jsonl (0 before the first)."""
+    path = run_dir / "metrics.jsonl"
+    rows = [r for r in read_metrics(path) if "step" in r and "loss" in r] if path.exists() else []
+    return max((r["step"] for r in rows), default=0)
 
 
 class StopWhenAsked(Hook):

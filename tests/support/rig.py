@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -235,6 +236,15 @@ class Rig:
         return got["bytes"] * 8 / max(got["seconds"], 1e-9) / 1e6
 
     # -- hosts -------------------------------------------------------------------------------------------------------
+
+    def share_token(self) -> str:
+        """One cluster token (mode 0600) in every host's ~/.ray/auth_token, as `raytrm cluster` expects; returns it."""
+        token = secrets.token_hex(32)
+        for host in self.hosts.values():
+            (host.home / ".ray").mkdir(exist_ok=True)
+            (host.home / ".ray" / "auth_token").write_text(token)
+            (host.home / ".ray" / "auth_token").chmod(0o600)
+        return token
 
     def kill(self, name: str) -> None:
         """Kill every process of a host; its paths stay up (its kernel still answers, refusing connections)."""
