@@ -324,6 +324,28 @@ def run_distributed(args: argparse.Namespace, work: Path) -> object:
     return {"rows": distributed.as_json(rows), "link": shaped.to_json()}
 
 
+def rig_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--rates",
+        nargs="+",
+        default=["unshaped", "100mbit", "20mbit"],
+        metavar="RATE",
+        help="the LAN's rates (unshaped, or tc's notation: 100mbit, 20mbit)",
+    )
+    p.add_argument(
+        "--sync-modes", nargs="+", default=["auto"], metavar="MODE", help="sync modes of the runs across the three"
+    )
+    p.add_argument("--steps", type=int, default=60, help="steps of a run across the three")
+    p.add_argument("--solo-steps", type=int, default=15, help="steps of each host's solo run")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every configuration, rates alternated; medians")
+
+
+def run_rig(args: argparse.Namespace, work: Path) -> object:
+    from benchmarks import rig
+
+    return rig.run(args.rates, args.sync_modes, args.steps, args.solo_steps, args.rounds, work)
+
+
 def tune_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--space", metavar="FILE", help="the space whose grid is measured (default: quick)")
     p.add_argument("--table", metavar="FILE", help="the measured grid (JSON), written by --measure")
@@ -469,6 +491,12 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
         "sync per link, scaling over GPUs, sync modes' quality, two hosts training across a shaped link",
         distributed_flags,
         run_distributed,
+    ),
+    "rig": (
+        "three hosts with CPU quotas 0.8, 0.4 and 0.4 of a core training as one, against the sum of their solo rates, "
+        "per LAN rate (root, Linux)",
+        rig_flags,
+        run_rig,
     ),
     "hf": (
         "a Hugging Face classifier's training samples/s, raytrm beside the transformers Trainer, on real records of "

@@ -1,4 +1,5 @@
-"""Every example config and search space validates, so the README's and the examples' commands work as written."""
+"""Every example config and search space validates (and the benchmarks' own spaces), so the README's, the
+examples' and docs/performance.md's commands work as written."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import yaml
 from raytrm import config as cfg
 from raytrm.tune.space import load_space
 
-EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
-EXAMPLES = sorted(EXAMPLES_DIR.rglob("*.yaml"))
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES_DIR = ROOT / "examples"
+EXAMPLES = sorted(EXAMPLES_DIR.rglob("*.yaml")) + sorted((ROOT / "benchmarks").glob("*.yaml"))
 
 
 def _is_space(path: Path) -> bool:
@@ -19,7 +21,7 @@ def _is_space(path: Path) -> bool:
     return isinstance(data, dict) and "raytrm_space" in data
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(EXAMPLES_DIR)))
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_example_config_validates(path):
     if _is_space(path):
         # A space of your own Hugging Face model takes the model and records from the command line.
