@@ -326,6 +326,14 @@ def run_distributed(args: argparse.Namespace, work: Path) -> object:
 
 def rig_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
+        "--parts",
+        nargs="+",
+        default=["scaling"],
+        choices=("scaling", "asleep", "killed"),
+        help="scaling: the three against their solo sum per LAN rate; asleep, killed: an elastic run while a "
+        "MacBook sleeps past Ray's health checks or is killed and replaced, against the same run undisturbed",
+    )
+    p.add_argument(
         "--rates",
         nargs="+",
         default=["unshaped", "100mbit", "20mbit"],
@@ -335,7 +343,7 @@ def rig_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sync-modes", nargs="+", default=["auto"], metavar="MODE", help="sync modes of the runs across the three"
     )
-    p.add_argument("--steps", type=int, default=60, help="steps of a run across the three")
+    p.add_argument("--steps", type=int, default=60, help="steps of a run across the three (elastic runs too)")
     p.add_argument("--solo-steps", type=int, default=15, help="steps of each host's solo run")
     p.add_argument("--rounds", type=int, default=1, help="runs of every configuration, rates alternated; medians")
 
@@ -343,7 +351,7 @@ def rig_flags(p: argparse.ArgumentParser) -> None:
 def run_rig(args: argparse.Namespace, work: Path) -> object:
     from benchmarks import rig
 
-    return rig.run(args.rates, args.sync_modes, args.steps, args.solo_steps, args.rounds, work)
+    return rig.run(args.parts, args.rates, args.sync_modes, args.steps, args.solo_steps, args.rounds, work)
 
 
 def tune_flags(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""`python -m benchmarks rig`: three unequal hosts training as one, against the sum of what each trains alone.
+"""`python -m benchmarks rig`: three unequal hosts training as one, against the sum of what each trains alone (the
+scaling part; `--parts asleep killed`: a MacBook leaving an elastic run, benchmarks.rig_elastic).
 
 The hosts are tests.support.rig's namespaces on one LAN, a Studio and two MacBooks' worth of this machine's cores
 (CPU quotas 0.8, 0.4 and 0.4 of a core, under its two so the sum is measurable). Each round:
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import rig_elastic
 from benchmarks.link import RUN_SECONDS, STEP_SECONDS, check_rates
 from benchmarks.link_models import LinkModel, mode_settings, trm_model
 from benchmarks.link_runs import read_run
@@ -121,25 +123,21 @@ def _stop_cluster(rig: Rig) -> None:
 
 
 def measure(
-    model: LinkModel, solo: LinkModel, rates: list[str], modes: list[str], rounds: int, work_dir: Path
+    rig: Rig, model: LinkModel, solo: LinkModel, rates: list[str], modes: list[str], rounds: int, runs_dir: Path
 ) -> list[RigRun]:
     """Every round: each host's solo run (of `solo`: the model, fewer steps), then each (rate, mode) across the
-    three, the rates' order reversed every other round. The rig is made once and removed whatever happens."""
-    runs_dir = work_dir / "runs"
-    runs_dir.mkdir(parents=True, exist_ok=True)
+    three, the rates' order reversed every other round."""
     runs: list[RigRun] = []
-    with Rig(work_dir / "hosts", list(HOSTS)) as rig:
-        rig.share_token()
-        for r in range(rounds):
-            runs += [_run(rig, r, h.name, "-", "solo", solo, runs_dir) for h in HOSTS]
-            _start_cluster(rig)
-            try:
-                for rate in rates if r % 2 == 0 else rates[::-1]:
-                    rig.set_rate("lan", rate)
-                    runs += [_run(rig, r, "all", rate, mode, model, runs_dir) for mode in modes]
-            finally:
-                _stop_cluster(rig)
-                rig.set_rate("lan", "unshaped")
+    for r in range(rounds):
+        runs += [_run(rig, r, h.name, "-", "solo", solo, runs_dir) for h in HOSTS]
+        _start_cluster(rig)
+        try:
+            for rate in rates if r % 2 == 0 else rates[::-1]:
+                rig.set_rate("lan", rate)
+                runs += [_run(rig, r, "all", rate, mode, model, runs_dir) for mode in modes]
+        finally:
+            _stop_cluster(rig)
+            rig.set_rate("lan", "unshaped")
     return runs
 
 
@@ -196,8 +194,15 @@ def format_rows(rows: list[RigRow], runs: list[RigRun]) -> str:
     return "\n".join(lines)
 
 
-def run(rates: list[str], modes: list[str], steps: int, solo_steps: int, rounds: int, work_dir: Path) -> dict[str, Any]:
-    """The bench as `python -m benchmarks rig` runs it; prints the table, returns the rows and runs."""
+PARTS = ("scaling", "asleep", "killed")
+
+
+def run(
+    parts: list[str], rates: list[str], modes: list[str], steps: int, solo_steps: int, rounds: int, work_dir: Path
+) -> dict[str, Any]:
+    """The bench as `python -m benchmarks rig` runs it: the rig made once (and removed whatever happens), the
+    scaling part, then the elastic parts (benchmarks.rig_elastic) after an undisturbed elastic run; prints the
+    tables, returns the rows and runs."""
     reason = cannot_make_hosts(cpu=True)
     if reason:
         raise UserError(f"the rig's three hosts are network namespaces with CPU quotas, not possible here: {reason}")
@@ -205,8 +210,26 @@ def run(rates: list[str], modes: list[str], steps: int, solo_steps: int, rounds:
     for mode in modes:
         mode_settings(mode)
     model, solo = trm_model(work_dir, steps=steps), trm_model(work_dir, steps=solo_steps)
-    runs = measure(model, solo, rates, modes, rounds, work_dir)
-    rows = rows_of(runs)
-    print(format_rows(rows, runs))
-    rows_json, runs_json = [asdict(r) for r in rows], [asdict(r) for r in runs]
-    return {"model": model.description, "steps": steps, "solo_steps": solo_steps, "rows": rows_json, "runs": runs_json}
+    out: dict[str, Any] = {"model": model.description, "steps": steps, "solo_steps": solo_steps}
+    runs_dir = work_dir / "runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    elastic_parts = [p for p in parts if p in rig_elastic.DISTURB]
+    with Rig(work_dir / "hosts", list(HOSTS)) as rig:
+        rig.share_token()
+        if "scaling" in parts:
+            runs = measure(rig, model, solo, rates, modes, rounds, runs_dir)
+            rows = rows_of(runs)
+            print(format_rows(rows, runs))
+            out.update(rows=[asdict(r) for r in rows], runs=[asdict(r) for r in runs])
+        if elastic_parts:
+            _start_cluster(rig)
+            try:
+                done = [
+                    rig_elastic.elastic_run(rig, model, part, runs_dir / part)
+                    for part in ["undisturbed", *elastic_parts]
+                ]
+            finally:
+                _stop_cluster(rig)
+            print(rig_elastic.format_runs(done))
+            out["elastic"] = [asdict(r) for r in done]
+    return out

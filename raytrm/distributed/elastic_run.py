@@ -78,7 +78,7 @@ def fit_elastic(
                         raise found from None
                     if name == first:
                         raise
-                    logger.warning("worker %s left the run (%s)", name, _first_line(error))
+                    logger.warning("worker %s left the run (%s)", name, failure_line(error))
                     continue
                 if name == first:
                     return
@@ -114,9 +114,12 @@ def _user_error(error: BaseException) -> UserError | None:
     return cause if isinstance(cause, UserError) else None
 
 
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
+def failure_line(error: BaseException) -> str:
+    """What failed in a worker, in a line: the worker's own exception (a Ray task error's cause), not Ray's wrapper."""
+    cause = getattr(error, "cause", None)
+    cause = cause if isinstance(cause, BaseException) else error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
 
 
 def _worker_class() -> Any:

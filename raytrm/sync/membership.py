@@ -46,6 +46,9 @@ ABANDONED = b"abandoned"
 FINISHED = "finished"
 #: The key of the deadline the members agreed, once the run measured its steps.
 DEADLINE_KEY = "deadline"
+#: How long members hold for rank 0's work alone (an evaluation) at most: rank 0 is the driver's first worker, whose
+#: loss ends the run anyway, so this only keeps a wait from being endless.
+HOLD_S = 3600.0
 
 
 def deadline_s(sum_s: float, step_s: float) -> float:
@@ -263,6 +266,26 @@ class Membership:
         values = [int(v) for v in every]
         furthest = max(values)
         return values.index(furthest), any(v != furthest for v in values)
+
+    # -- rank 0's work alone -----------------------------------------------------------------------------------------
+
+    def release(self, tag: str) -> None:
+        """Rank 0 is done with work it does alone (an evaluation, tagged uniquely in the epoch): the members that
+        hold for it go on."""
+        self.store.set(f"released/{self._epoch()}/{tag}", "1")
+
+    def hold(self, tag: str, timeout_s: float = HOLD_S) -> None:
+        """Wait until rank 0 releases `tag`. Its work alone may outlast the deadline that bounds the group's
+        collectives, where a member waiting would take rank 0 for lost; the store's wait has no such bound.
+        PeerLost past timeout_s."""
+        epoch = self._epoch()
+        if self._get(f"released/{epoch}/{tag}", timeout_s) is None:
+            raise PeerLost(f"epoch {epoch}: rank 0 did not finish {tag} in {timeout_s:.0f} s")
+
+    def _epoch(self) -> int:
+        if self.view is None:
+            raise RuntimeError("no epoch yet: start, regroup or join first")
+        return self.view.epoch
 
     def leave(self, finished: bool = True) -> None:
         """This worker's group, closed; at the run's end (`finished`) a worker still trying to join is told so."""

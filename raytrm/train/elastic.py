@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from raytrm.sync.membership import Dropped, Membership, PeerLost, deadline_s, is_peer_lost
 from raytrm.sync.shares import shard, split
@@ -32,6 +33,8 @@ from raytrm.sync.strategy import SyncStrategy
 from raytrm.train import trainer_state
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Elastic:
@@ -43,6 +46,8 @@ class Elastic:
         self.changes: list[dict[str, Any]] = []
         #: The deadline was set from a measured step (once, at the first boundary the members look).
         self.timed = False
+        #: Rank 0 published a new deadline at this boundary: the next membership is formed for it.
+        self.retiming = False
 
     def enter(self, trainer: Any, sync_factory: Any) -> None:
         """A worker that was not in the run (new, or started again after it left): ask to join, wait until the
@@ -55,6 +60,17 @@ class Elastic:
         self.changes.append(
             {"event": "membership", "step": trainer.step, "epoch": view.epoch, "entered": [self.membership.me]}
         )
+
+    def alone(self, tag: str, work: Callable[[], T] | None) -> T | None:
+        """Work rank 0 does alone (an evaluation): rank 0 (`work` given) does it, then lets the others go on; the
+        others (`work` None) hold for it, since a collective's deadline would take rank 0 for lost meanwhile.
+        Every member calls this at the same point with the same tag."""
+        if work is None:
+            self.membership.hold(tag)
+            return None
+        result = work()
+        self.membership.release(tag)
+        return result
 
     def lost(self, error: BaseException) -> bool:
         return isinstance(error, PeerLost) or is_peer_lost(error)
@@ -71,7 +87,7 @@ class Elastic:
             measured = deadline_s(result.sync_seconds, result.compute_seconds)
             if abs(measured - self.membership.deadline) > 0.5 * self.membership.deadline:
                 self.membership.publish_deadline(measured)
-                due = True
+                due = self.retiming = True
         return due
 
     def recover(self, loop: Any) -> list[dict[str, Any]]:
@@ -111,14 +127,14 @@ class Elastic:
         }
         self.changes.append(event)
         if trainer.sync.rank == 0:
-            logger.warning(
-                "workers: %s at step %d (%s%s), %.1f s",
-                ", ".join(view.members),
-                trainer.step,
-                f"left: {', '.join(view.left)}" if view.left else "",
-                f"{'; ' if view.left else ''}entered: {', '.join(view.admitted)}" if view.admitted else "",
-                event["seconds"],
-            )
+            moves = (("left", view.left), ("entered", view.admitted))
+            why = "; ".join(f"{what}: {', '.join(names)}" for what, names in moves if names)
+            if not why:  # the same workers: formed again for the deadline the measured step implies, or after a failure
+                retimed = f"the deadline now {self.membership.deadline:.1f} s, from the measured step"
+                why = retimed if self.retiming else "the same workers, after a collective failed"
+            log = logger.warning if view.left or view.admitted else logger.info
+            log("workers: %s at step %d (%s), %.1f s", ", ".join(view.members), trainer.step, why, event["seconds"])
+        self.retiming = False
         return [event] if trainer.sync.rank == 0 else []
 
     def _take_furthest_state(self, trainer: Any, newcomer: bool) -> None:

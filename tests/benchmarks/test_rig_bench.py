@@ -41,13 +41,13 @@ def test_a_failed_run_or_a_round_whose_solo_failed_counts_as_failed():
 def test_bad_rates_and_modes_are_refused_before_any_host_is_made(tmp_path, monkeypatch):
     monkeypatch.setattr(rig, "cannot_make_hosts", lambda cpu: None)
     with pytest.raises(UserError, match="link rate 'fast'"):
-        rig.run(["unshaped", "fast"], ["auto"], 4, 2, 1, tmp_path)
+        rig.run(["scaling"], ["unshaped", "fast"], ["auto"], 4, 2, 1, tmp_path)
     with pytest.raises(UserError, match="expected one of exact"):
-        rig.run(["unshaped"], ["ring"], 4, 2, 1, tmp_path)
+        rig.run(["scaling"], ["unshaped"], ["ring"], 4, 2, 1, tmp_path)
     assert not (tmp_path / "hosts").exists()
 
 
 def test_where_hosts_cannot_be_made_it_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(rig, "cannot_make_hosts", lambda cpu: "making network namespaces needs root")
     with pytest.raises(UserError, match="not possible here: making network namespaces needs root"):
-        rig.run(["unshaped"], ["auto"], 4, 2, 1, tmp_path)
+        rig.run(["scaling"], ["unshaped"], ["auto"], 4, 2, 1, tmp_path)

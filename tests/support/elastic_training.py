@@ -15,6 +15,7 @@ from raytrm.sync.membership import Membership, RunFinished
 from raytrm.sync.process_group import ProcessGroupSync
 from raytrm.train.elastic import Elastic
 from raytrm.train.loop import Hook, Loop, Stop
+from raytrm.train.run.evaluations import IntervalEvaluation
 from raytrm.train.run.metrics import read_metrics
 from raytrm.train.run.peers import PeersHook
 from raytrm.train.run.stop_rules import StepLimit
@@ -53,6 +54,29 @@ class Gaps(Hook):
         self.last = now
 
 
+class EvaluateEvery(Hook):
+    """`raytrm train`'s evaluations into every step's row (as MetricsRows asks for them); with plan['slow_eval'],
+    each evaluation first sleeps that long (rank 0's work alone, longer than a collective's deadline)."""
+
+    def __init__(self, trainer: Trainer, elastic: Elastic, plan: dict[str, Any]) -> None:
+        evaluate, sleep = trainer.evaluate, plan.get("slow_eval", 0.0)
+
+        def slow(**kw: Any) -> dict[str, Any]:
+            time.sleep(sleep)
+            self.taken += 1
+            return evaluate(**kw)
+
+        trainer.evaluate = slow  # type: ignore[method-assign]
+        self.evaluations = IntervalEvaluation(trainer, plan["eval_every"], elastic.alone)
+        self.taken = 0
+
+    def end_step(self, loop: Loop, step: Any) -> None:
+        self.evaluations.row_scores(loop.trainer.step)
+
+    def finish(self, loop: Loop) -> None:
+        self.evaluations.finish(loop)
+
+
 def worker(name: str, port: int, plan: dict[str, Any], config: Any, results: Any) -> None:
     """Train to plan['steps'] with the run's membership; puts the final weights, the step and the changes seen."""
     import torch.distributed as dist
@@ -75,7 +99,9 @@ def worker(name: str, port: int, plan: dict[str, Any], config: Any, results: Any
         results.put(("ready", name, os.getpid()))
     gaps = Gaps()
     limit = StopWhenAsked(store) if plan.get("until_asked") else StepLimit(plan["steps"])
-    loop = Loop(trainer, [PeersHook(trainer), gaps, limit], measure_peak=False, regroup=elastic)
+    evaluations = EvaluateEvery(trainer, elastic, plan) if plan.get("eval_every") else None
+    hooks = [PeersHook(trainer), gaps, limit, evaluations]
+    loop = Loop(trainer, [h for h in hooks if h is not None], measure_peak=False, regroup=elastic)
     try:
         loop.run()
     except RunFinished:  # left behind, and the others ended the run before this worker was let back in
@@ -84,6 +110,6 @@ def worker(name: str, port: int, plan: dict[str, Any], config: Any, results: Any
     # As numpy: a tensor would travel through a file descriptor that dies with this process.
     weights = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()]).numpy()
     members.leave()
-    results.put(
-        ("done", name, {"step": trainer.step, "weights": weights, "changes": elastic.changes, "gaps": gaps.gaps})
-    )
+    evaluated = evaluations.taken if evaluations is not None else 0
+    log = {"step": trainer.step, "weights": weights, "changes": elastic.changes, "gaps": gaps.gaps}
+    results.put(("done", name, {**log, "evaluated": evaluated}))

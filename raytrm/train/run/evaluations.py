@@ -66,23 +66,34 @@ class Evaluations(Hook):
         self.take(loop, index, scores)
 
 
+#: How an elastic run lets rank 0 work alone (raytrm.train.elastic.Elastic.alone): every rank calls it with the same
+#: tag, rank 0 with the work, the others with None to hold for it.
+Alone = Callable[[str, Callable[[], dict[str, Any]] | None], dict[str, Any] | None]
+
+
 class IntervalEvaluation(Hook):
     """`raytrm train`'s evaluations, on rank 0 (which writes the run): every `interval` steps where a metrics row is
-    written (its numbers go into the row), and once after the last step (`final`, into the summary, whole)."""
+    written (its numbers go into the row), and once after the last step (`final`, into the summary, whole). In an
+    elastic run (`alone`) the other ranks hold for each one, outside the deadline of the group's collectives."""
 
-    def __init__(self, trainer: Trainer, interval: int | None) -> None:
-        self.trainer, self.interval = trainer, interval
+    def __init__(self, trainer: Trainer, interval: int | None, alone: Alone | None = None) -> None:
+        self.trainer, self.interval, self.alone = trainer, interval, alone
         self.rank0 = trainer.sync.rank == 0
         self.final: dict[str, Any] = {}
+
+    def _on_rank0(self, tag: str, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        if self.alone is not None:
+            return self.alone(tag, work if self.rank0 else None) or {}
+        return work() if self.rank0 else {}
 
     def row_scores(self, step: int) -> dict[str, Any]:
         """The scores for the row of this step, where one is due: its numbers alone. A metrics row is a set of
         series (the report's curves, TensorBoard's scalars); the structures an evaluation also gives (a classifier's
         confusion matrix and its labels) go to the summary, with the final evaluation."""
-        due = self.rank0 and self.interval and step % self.interval == 0
-        if not due:
+        if not (self.interval and step % self.interval == 0):
             return {}
-        return {key: value for key, value in self.trainer.evaluate().items() if not isinstance(value, (list, dict))}
+        scores = self._on_rank0(f"eval/{step}", self.trainer.evaluate)
+        return {key: value for key, value in scores.items() if not isinstance(value, (list, dict))}
 
     def finish(self, loop: Loop) -> None:
-        self.final = self.trainer.evaluate() if self.rank0 else {}
+        self.final = self._on_rank0("final", self.trainer.evaluate)

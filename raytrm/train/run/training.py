@@ -131,7 +131,7 @@ def run_training(
             else None
         )
         thermal = ThermalHook(thermal_reader or ThermalReader(), guard)
-        evaluations = IntervalEvaluation(trainer, train.eval_interval)
+        evaluations = IntervalEvaluation(trainer, train.eval_interval, elastic.alone if elastic is not None else None)
         times = StepTimes(started)
         alone = trainer.sync.world_size == 1
         interrupts = Interrupts() if alone else None  # with several workers, Ray ends the workers itself

@@ -3,13 +3,15 @@ others go on without a restart, and a worker that comes back enters at a round b
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
+import threading
 import time
 
 import pytest
 
-from raytrm.sync.membership import MIN_DEADLINE_S, View, deadline_s, is_peer_lost
+from raytrm.sync.membership import MIN_DEADLINE_S, Membership, PeerLost, View, deadline_s, is_peer_lost
 from tests.support.elastic_rounds import Run
 
 NAMES = ["studio", "air", "mini"]
@@ -25,6 +27,30 @@ def test_view_round_trips():
     view = View(3, ("air", "mini", "studio"), admitted=("air",), left=("old",), joins_seen=2)
     assert View.from_json(view.to_json().encode()) == view
     assert view.rank("studio") == 2
+
+
+def _in_epoch(store, name, epoch):
+    member = Membership(store, name)
+    member.view = View(epoch, ("studio", "air"))
+    return member
+
+
+def test_a_member_holds_for_rank_0s_work_alone_past_the_deadline_until_it_is_released():
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=30)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timeout)  # a client each, as workers
+    rank0, other = _in_epoch(store, "studio", 4), _in_epoch(client, "air", 4)
+    work_s = 3 * MIN_DEADLINE_S  # longer than a collective's deadline
+    threading.Timer(work_s, rank0.release, args=("eval/20",)).start()
+    begin = time.monotonic()
+    other.hold("eval/20")
+    assert work_s <= time.monotonic() - begin < work_s + 5
+    # a tag is released in its epoch only, and a hold that is never released ends
+    later = _in_epoch(client, "air", 5)
+    with pytest.raises(PeerLost, match=r"epoch 5: rank 0 did not finish eval/20 in 1 s"):
+        later.hold("eval/20", timeout_s=1.0)
 
 
 def test_gloo_words_for_a_lost_peer_are_recognised():

@@ -75,3 +75,17 @@ def test_a_new_worker_joins_mid_run_from_a_live_peer(elastic_run, tiny):
     assert (studio["weights"] == mini["weights"]).all() and (studio["weights"] == air["weights"]).all()
     entered = [c for c in studio["changes"] if c["entered"] == ["mini"]]
     assert len(entered) == 1 and entered[0]["step"] == 10  # the first boundary where the members look
+
+
+def test_rank_0_evaluating_longer_than_the_deadline_loses_no_one(elastic_run, tiny):
+    # rank 0 evaluates alone (every 4 steps, and at the end) for longer than a collective's deadline: the others hold
+    # for it on the store, not inside a collective that would take it for lost
+    plan = {"size": 2, "steps": 9, "deadline": DEADLINE, "settle": SETTLE, "eval_every": 4, "slow_eval": DEADLINE + 2}
+    run = elastic_run(plan, tiny(training={"steps": 9}))
+    for name in ("studio", "air"):
+        run.start(name)
+    run.wait("done", 2, timeout=600)
+    studio, air = run.logs["studio"], run.logs["air"]
+    assert studio["step"] == air["step"] == 9 and (studio["weights"] == air["weights"]).all()
+    assert [c for c in studio["changes"] if c["left"] or c["entered"]] == []
+    assert sorted([studio["evaluated"], air["evaluated"]]) == [0, 3]  # steps 4 and 8, and the final one, on rank 0
