@@ -3,7 +3,8 @@ Hugging Face classifier; its final validation macro-F1 is the target; raytrm the
 records with a tuned profile until it reaches that target (or a time limit), and the ratio of the two times is the
 figure: the tuned profile should need at most half the Trainer's time.
 
-The records, the model and the max length are the profile's (`raytrm tune` wrote them into it). The split is
+The records, the model and the max length are the profile's (`raytrm tune` wrote them into it); docs/performance.md's
+profile comes from benchmarks/hf_tuned.yaml, a space tuned for the macro-F1 after half the Trainer's time. The split is
 raytrm's own: the profile's data section opened by raytrm.data.hf_records (a stratified, seeded share held out, or
 data.validation_path), so both sides train on the same training records, with the same tokens (raytrm's tokenizer
 call at model.seq_len, read from its cache), and are scored on the same validation records by the same function
