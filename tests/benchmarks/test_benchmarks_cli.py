@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_it_runs_as_a_module_from_the_repository_root():
     done = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    names = {"trm", "transformer", "mix", "memory", "tune", "distributed", "hf", "hf-tuned"}
+    names = {"trm", "transformer", "mix", "memory", "tune", "distributed", "rig", "hf", "hf-tuned"}
     assert all(f"    {name}" in done.stdout for name in names)
     assert set(COMMANDS) == names
 
