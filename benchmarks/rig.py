@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import rig_elastic
 from benchmarks.link import RUN_SECONDS, STEP_SECONDS, check_rates
 from benchmarks.link_models import LinkModel, mode_settings, trm_model
 from benchmarks.link_runs import read_run
@@ -111,10 +110,15 @@ def _line(run: RigRun) -> str:
     return f"{where}: {run.samples_per_sec:.2f} samples/s{shares}, quality {run.quality} (load {run.load:.1f}){chose}"
 
 
+def join(rig: Rig, name: str) -> None:
+    """A MacBook joins the Studio's cluster."""
+    rig[name].raytrm("cluster", "join", rig.address("studio"), "--tier", WORKER_TIER, check=True, timeout=300)
+
+
 def _start_cluster(rig: Rig) -> None:
     rig["studio"].raytrm("cluster", "head", "--tier", HEAD_TIER, check=True, timeout=300)
     for name in ("mba", "mbp"):
-        rig[name].raytrm("cluster", "join", rig.address("studio"), "--tier", WORKER_TIER, check=True, timeout=300)
+        join(rig, name)
 
 
 def _stop_cluster(rig: Rig) -> None:
@@ -203,6 +207,8 @@ def run(
     """The bench as `python -m benchmarks rig` runs it: the rig made once (and removed whatever happens), the
     scaling part, then the elastic parts (benchmarks.rig_elastic) after an undisturbed elastic run; prints the
     tables, returns the rows and runs."""
+    from benchmarks import rig_elastic  # it joins hosts with this module's `join`
+
     reason = cannot_make_hosts(cpu=True)
     if reason:
         raise UserError(f"the rig's three hosts are network namespaces with CPU quotas, not possible here: {reason}")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.link_models import QUALITY, LinkModel, mode_settings
+from benchmarks.rig import join
 from raytrm import config as cfg
 from raytrm.train.loop import ADMIT_EVERY
 from raytrm.train.run.metrics import read_metrics
@@ -76,9 +77,8 @@ def _step_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 def _rejoin(rig: Rig) -> None:
     """The MacBook joins the cluster again, as its user would: its own Ray stopped first (`cluster stop`)."""
-    host = rig[LEAVER]
-    host.raytrm("cluster", "stop", timeout=300)
-    host.raytrm("cluster", "join", rig.address("studio"), "--tier", "macbook-air-8gb", check=True, timeout=300)
+    rig[LEAVER].raytrm("cluster", "stop", timeout=300)
+    join(rig, LEAVER)
 
 
 def asleep(rig: Rig) -> None:
@@ -90,10 +90,8 @@ def asleep(rig: Rig) -> None:
 
 def killed(rig: Rig) -> None:
     token = (rig["studio"].home / ".ray" / "auth_token").read_text()
-    fresh = rig.restart(LEAVER)
-    (fresh.home / ".ray").mkdir(exist_ok=True)
-    (fresh.home / ".ray" / "auth_token").write_text(token)
-    (fresh.home / ".ray" / "auth_token").chmod(0o600)
+    rig.restart(LEAVER)
+    rig.share_token(token)
     _rejoin(rig)
 
 

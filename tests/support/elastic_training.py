@@ -60,6 +60,7 @@ class EvaluateEvery(Hook):
 
     def __init__(self, trainer: Trainer, elastic: Elastic, plan: dict[str, Any]) -> None:
         evaluate, sleep = trainer.evaluate, plan.get("slow_eval", 0.0)
+        self.taken = 0  # evaluations this worker took
 
         def slow(**kw: Any) -> dict[str, Any]:
             time.sleep(sleep)
@@ -68,7 +69,6 @@ class EvaluateEvery(Hook):
 
         trainer.evaluate = slow  # type: ignore[method-assign]
         self.evaluations = IntervalEvaluation(trainer, plan["eval_every"], elastic.alone)
-        self.taken = 0
 
     def end_step(self, loop: Loop, step: Any) -> None:
         self.evaluations.row_scores(loop.trainer.step)

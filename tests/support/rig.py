@@ -237,9 +237,10 @@ class Rig:
 
     # -- hosts -------------------------------------------------------------------------------------------------------
 
-    def share_token(self) -> str:
-        """One cluster token (mode 0600) in every host's ~/.ray/auth_token, as `raytrm cluster` expects; returns it."""
-        token = secrets.token_hex(32)
+    def share_token(self, token: str | None = None) -> str:
+        """One cluster token (mode 0600) in every host's ~/.ray/auth_token, as `raytrm cluster` expects; returns it.
+        A new one, or `token`: the cluster's, for a host restarted in its place."""
+        token = token or secrets.token_hex(32)
         for host in self.hosts.values():
             (host.home / ".ray").mkdir(exist_ok=True)
             (host.home / ".ray" / "auth_token").write_text(token)
