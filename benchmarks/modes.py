@@ -7,7 +7,9 @@ asked, with plain averaging (outer lr 1, no momentum), with DiLoCo's outer Neste
 with plain averaging whose exchange lands one step late (the overlapped round). Every variant runs the same
 training seeds, from a first seed on (so seeds can run side by side in separate processes); a row gives each seed's
 eval cell accuracy, the mean, and the gap to exact sync paired by seed (its mean, and the worst seed's). Shares stay
-equal, so a seed's run does not depend on timing.
+fixed, so a seed's run does not depend on timing: equal, or (`--shares 2 1 1`) one worker per weight with the global
+batch split in proportion, as the balancer splits it for a Studio and two MacBooks (a local round then weighs each
+worker's delta by its samples).
 """
 
 from __future__ import annotations
@@ -45,16 +47,25 @@ class ModeRow(Row):
     worst_gap: float | None = None
 
 
-def variants(every: list[int] | tuple[int, ...]) -> list[tuple[str, dict[str, Any]]]:
-    """Each variant's name and its training settings."""
+#: The kinds of variant, as --variants names them.
+KINDS = ("exact", "compressed", "plain", "nesterov", "behind")
+
+
+def variants(
+    every: list[int] | tuple[int, ...], kinds: list[str] | tuple[str, ...] = KINDS
+) -> list[tuple[str, dict[str, Any]]]:
+    """Each variant's name and its training settings, of the kinds asked (exact sync always: the gaps' reference)."""
     out: list[tuple[str, dict[str, Any]]] = [("exact", {"sync_mode": "exact"})]
-    out.append(("compressed", {"sync_mode": "compressed"}))
+    if "compressed" in kinds:
+        out.append(("compressed", {"sync_mode": "compressed"}))
     plain = {"outer_lr": 1.0, "outer_momentum": 0.0}
     for h in every:
         local = {"sync_mode": "local", "sync_every": h, "sync_overlap": 0}
-        out.append((f"local H={h} plain", {**local, **plain}))
-        out.append((f"local H={h} Nesterov 0.7/0.9", {**local, "outer_lr": 0.7, "outer_momentum": 0.9}))
-        if h > 1:
+        if "plain" in kinds:
+            out.append((f"local H={h} plain", {**local, **plain}))
+        if "nesterov" in kinds:
+            out.append((f"local H={h} Nesterov 0.7/0.9", {**local, "outer_lr": 0.7, "outer_momentum": 0.9}))
+        if h > 1 and "behind" in kinds:
             out.append((f"local H={h} plain, 1 step behind", {**local, **plain, "sync_overlap": 1}))
     return out
 
@@ -70,8 +81,10 @@ def quick_experiment(seed: int, samples: int, settings: dict[str, Any]) -> cfg.E
     return cfg.from_dict(cfg.ExperimentConfig, data, "<quick space>")
 
 
-def _worker(rank: int, world_size: int, device: Any, config: cfg.ExperimentConfig, run_dir: str) -> dict | None:
-    summary = run_training(config, run_dir, sync=ProcessGroupSync(device), balance=False)
+def _worker(
+    rank: int, world_size: int, device: Any, config: cfg.ExperimentConfig, run_dir: str, shares: list[int] | None
+) -> dict | None:
+    summary = run_training(config, run_dir, sync=ProcessGroupSync(device), shares=shares, balance=False)
     return summary if rank == 0 else None
 
 
@@ -82,30 +95,43 @@ def run(
     samples: int | None,
     device: str = "cpu",
     first_seed: int = 0,
+    weights: list[float] | None = None,
+    kinds: list[str] | None = None,
 ) -> list[ModeRow]:
     """The modes part of `python -m benchmarks distributed`, its data kept in the work directory."""
     from benchmarks.transformer import caches_in
 
+    names = variants(every or EVERY, kinds or KINDS)
     with caches_in(work_dir / "cache"):
-        return bench_modes(work_dir / "modes", list(every or EVERY), seeds, samples or SAMPLES, device, first_seed)
+        return bench_modes(work_dir / "modes", names, seeds, samples or SAMPLES, device, first_seed, weights)
 
 
 def bench_modes(
-    work_dir: Path, every: list[int], seeds: int, samples: int, device: str = "cpu", first_seed: int = 0
+    work_dir: Path,
+    names: list[tuple[str, dict[str, Any]]],
+    seeds: int,
+    samples: int,
+    device: str = "cpu",
+    first_seed: int = 0,
+    weights: list[float] | None = None,
 ) -> list[ModeRow]:
     """Every variant at seeds first_seed .. first_seed + seeds - 1, seed-major (a partial run has whole seeds), then
-    a row per variant."""
+    a row per variant; two workers with equal shares, or one per weight with shares in proportion."""
     from raytrm.data.cache import dataset_dir_for
+    from raytrm.sync.shares import split
 
-    names = variants(every)
     seed_list = list(range(first_seed, first_seed + seeds))
     span = f"seed {first_seed}" if seeds == 1 else f"seeds {first_seed}-{seed_list[-1]}"
-    dataset_dir_for(quick_experiment(0, samples, {}).data)  # once, before two workers race to build it
+    base = quick_experiment(0, samples, {})
+    dataset_dir_for(base.data)  # once, before the workers race to build it
+    workers = len(weights) if weights else 2
+    shares = split(base.training.global_batch_size, weights) if weights else None
     found: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in names}
     for seed in seed_list:
         for k, (name, settings) in enumerate(names):
             config = quick_experiment(seed, samples, {**settings, "device": device})
-            found[name].append(spawn(_worker, 2, config, str(work_dir / f"seed{seed}-{k}"), device=device)[0])
+            run_dir = str(work_dir / f"seed{seed}-{k}")
+            found[name].append(spawn(_worker, workers, config, run_dir, shares, device=device)[0])
             logger.info("seed %d, %s: %s %.4f", seed, name, METRIC, found[name][-1][METRIC])
     exact = [s[METRIC] for s in found["exact"]]
     rows = []
@@ -118,7 +144,7 @@ def bench_modes(
         row = ModeRow(
             "modes",
             name,
-            2,
+            workers,
             batch,
             rate,
             batch / rate,
