@@ -260,6 +260,21 @@ def distributed_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--every", nargs="+", type=int, default=None, help="modes: H of the local rounds (default 5 20 50)")
     p.add_argument("--samples", type=int, default=None, help="modes: samples each run trains (default 16000)")
     p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=("exact", "compressed", "plain", "nesterov", "behind"),
+        default=None,
+        help="modes: the kinds of variant run beside exact sync (default: every kind)",
+    )
+    p.add_argument(
+        "--shares",
+        nargs="+",
+        type=float,
+        default=None,
+        metavar="WEIGHT",
+        help="modes: one worker per weight, the global batch split in proportion (default: two equal workers)",
+    )
+    p.add_argument(
         "--first-seed",
         type=int,
         default=0,
@@ -313,7 +328,9 @@ def run_distributed(args: argparse.Namespace, work: Path) -> object:
         compile_mode = args.compile or "auto"  # the scaling rows compile as training does
         rows = distributed.run(parts, device, args.batch, args.slowdown, args.repeats, args.workers, work, compile_mode)
     if "modes" in args.parts:
-        rows += modes.run(work, args.every, args.repeats, args.samples, device, args.first_seed)
+        rows += modes.run(
+            work, args.every, args.repeats, args.samples, device, args.first_seed, args.shares, args.variants
+        )
     if rows:
         print(distributed.format_rows(rows))
     if "link" not in args.parts:
@@ -329,9 +346,11 @@ def rig_flags(p: argparse.ArgumentParser) -> None:
         "--parts",
         nargs="+",
         default=["scaling"],
-        choices=("scaling", "asleep", "killed"),
+        choices=("scaling", "asleep", "killed", "paths"),
         help="scaling: the three against their solo sum per LAN rate; asleep, killed: an elastic run while a "
-        "MacBook sleeps past Ray's health checks or is killed and replaced, against the same run undisturbed",
+        "MacBook sleeps past Ray's health checks or is killed and replaced, against the same run undisturbed; "
+        "paths: a Studio and a MacBook joined by a slow LAN and a fast direct link, the path each join chooses "
+        "and a run bound to the LAN against one on the path chosen (--rounds trials)",
     )
     p.add_argument(
         "--rates",
@@ -341,7 +360,12 @@ def rig_flags(p: argparse.ArgumentParser) -> None:
         help="the LAN's rates (unshaped, or tc's notation: 100mbit, 20mbit)",
     )
     p.add_argument(
-        "--sync-modes", nargs="+", default=["auto"], metavar="MODE", help="sync modes of the runs across the three"
+        "--sync-modes",
+        nargs="+",
+        default=["auto"],
+        metavar="MODE",
+        help="sync modes of the runs across the three (auto, exact, local:H; MODE/elastic: through `raytrm train "
+        "--elastic`)",
     )
     p.add_argument("--steps", type=int, default=60, help="steps of a run across the three (elastic runs too)")
     p.add_argument("--solo-steps", type=int, default=15, help="steps of each host's solo run")

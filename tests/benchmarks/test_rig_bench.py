@@ -3,12 +3,15 @@ themselves are exercised by the cluster tests."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
-from benchmarks import rig
+from benchmarks import rig, rig_paths
+from benchmarks.link_models import LinkModel
 from benchmarks.rig import RigRun
+from benchmarks.rig_paths import PathRun
 from raytrm.errors import UserError
 
 
@@ -28,6 +31,18 @@ def test_a_row_is_the_median_of_each_rounds_ratio_to_its_own_solo_sum():
     assert rows["20mbit"].chosen == ["local H=10", "local H=5"] and rows["20mbit"].failed == 0
 
 
+def test_a_row_also_reads_the_run_against_the_solo_runs_side_by_side():
+    runs = _round(0, [10.0, 5.0, 5.0], [("unshaped", 18.0, "exact")])
+    side = zip(rig.HOSTS, [9.0, 5.0, 6.0], strict=True)
+    runs += [RigRun(0, h.name, "-", "together", samples_per_sec=s) for h, s in side]
+    runs += _round(1, [10.0, 5.0, 5.0], [("unshaped", 16.0, "exact")])  # no side-by-side runs this round
+    (row,) = rig.rows_of(runs)
+    assert math.isclose(row.ratio, 0.85) and math.isclose(row.solo_sum, 20.0)
+    assert math.isclose(row.together_ratio, 0.9) and math.isclose(row.together_sum, 20.0)
+    text = rig.format_rows([row], runs)
+    assert "solo rates (together, samples/s): studio 9.0, mba 5.0, mbp 6.0" in text, text
+
+
 def test_a_failed_run_or_a_round_whose_solo_failed_counts_as_failed():
     runs = _round(0, [10.0, None, 5.0], [("unshaped", 19.0, "exact")])
     runs += _round(1, [10.0, 5.0, 5.0], [("unshaped", 18.0, "exact")])
@@ -38,12 +53,21 @@ def test_a_failed_run_or_a_round_whose_solo_failed_counts_as_failed():
     assert "(2 of 3 failed)" in rig.format_rows([row], runs)
 
 
+def test_a_mode_ending_in_elastic_runs_through_raytrms_own_actors():
+    assert rig.split_mode("auto/elastic") == ("auto", True)
+    assert rig.split_mode("local:5") == ("local:5", False)
+    experiment = rig.rig_experiment(LinkModel("trm", {"training": {"steps": 4}}, 2, ""), "local:5/elastic")
+    assert experiment["training"] == {"steps": 4, "threads": 1, "sync_mode": "local", "sync_every": 5}
+
+
 def test_bad_rates_and_modes_are_refused_before_any_host_is_made(tmp_path, monkeypatch):
     monkeypatch.setattr(rig, "cannot_make_hosts", lambda cpu: None)
     with pytest.raises(UserError, match="link rate 'fast'"):
         rig.run(["scaling"], ["unshaped", "fast"], ["auto"], 4, 2, 1, tmp_path)
     with pytest.raises(UserError, match="expected one of exact"):
         rig.run(["scaling"], ["unshaped"], ["ring"], 4, 2, 1, tmp_path)
+    with pytest.raises(UserError, match="sync mode 'ring'"):
+        rig.run(["scaling"], ["unshaped"], ["auto/elastic", "ring/elastic"], 4, 2, 1, tmp_path)
     assert not (tmp_path / "hosts").exists()
 
 
@@ -51,3 +75,44 @@ def test_where_hosts_cannot_be_made_it_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(rig, "cannot_make_hosts", lambda cpu: "making network namespaces needs root")
     with pytest.raises(UserError, match="not possible here: making network namespaces needs root"):
         rig.run(["scaling"], ["unshaped"], ["auto"], 4, 2, 1, tmp_path)
+
+
+def _worker(rank, share, compute_s, sync_s):
+    return {
+        "rank": rank,
+        "share": share,
+        "samples_per_sec": share / compute_s,
+        "compute_s": compute_s,
+        "sync_s": sync_s,
+    }
+
+
+def test_the_fastest_workers_idle_share_is_the_slowests_compute_less_its_own_over_the_round(tmp_path):
+    model = LinkModel("trm", {"training": {"global_batch_size": 64, "steps": 10}}, warmup=2, description="")
+    rows = [
+        {"step": 1, "workers": [_worker(0, 32, 1.0, 3.0), _worker(1, 16, 2.0, 0.1)]},  # warm-up: not counted
+        {"step": 1, "event": "rebalance"},
+        {"step": 5, "workers": [_worker(0, 32, 1.9, 0.2), _worker(1, 16, 2.0, 0.1), _worker(2, 16, 1.6, 0.4)]},
+        {"step": 6, "workers": [_worker(0, 32, 2.0, 0.1), _worker(1, 16, 1.5, 0.6), _worker(2, 16, 1.9, 0.3)]},
+        {"step": 7, "workers": [_worker(0, 32, 1.6, 0.5), _worker(1, 16, 2.1, 0.0), _worker(2, 16, 2.0, 0.1)]},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # steps 5, 6, 7: the fastest is rank 0 (32 samples); its idle 0.1/2.1, 0.0/2.1, 0.5/2.1
+    assert math.isclose(rig.fastest_idle(tmp_path, model), 0.1 / 2.1)
+
+
+def test_the_two_path_summary_counts_trials_choosing_the_direct_link_and_pairs_rates_by_trial():
+    runs = [
+        PathRun(0, "chosen", path="tb", samples_per_sec=20.0),
+        PathRun(0, "lan", path="lan (--node-ip)", samples_per_sec=10.0),
+        PathRun(1, "lan", path="lan (--node-ip)", samples_per_sec=14.0),
+        PathRun(1, "chosen", path="tb", samples_per_sec=20.0),
+        PathRun(2, "chosen", path="lan", samples_per_sec=9.0),
+        PathRun(2, "lan", error="boom"),
+    ]
+    s = rig_paths.summary(runs)
+    assert (s["trials"], s["direct_chosen"], s["chosen_runs"], s["failed"]) == (3, 2, 3, 1)
+    assert s["ratios"] == [0.5, 0.7] and math.isclose(s["lan_over_chosen"], 0.6)
+    text = rig_paths.format_runs(runs)
+    assert "the direct link chosen in 2 of 3 trials; bound to the LAN / chosen: 0.600" in text, text
+    assert "trial 2 lan: FAILED: boom" in text, text
