@@ -1,8 +1,8 @@
 """The fastest path on two real hosts joined by a slow LAN and a fast direct link (a Wi-Fi and a Thunderbolt bridge):
-`raytrm cluster paths` measures both and picks the direct link every time, the LAN once the link is down; `cluster
-head` + `cluster join` record the direct link for the gradient sync, and the sync (`cluster status --link`) goes
-through it, and `cluster stop` leaves nothing running; a head without its path service there, or an address nothing
-answers at, is one line."""
+`raytrm cluster paths` measures both and picks the direct link every time, the LAN once the link is down, and says in
+one line that it cannot reach the head once both are; `cluster head` + `cluster join` record the direct link for the
+gradient sync, and the sync (`cluster status --link`) goes through it, and `cluster stop` leaves nothing running; a
+head without its path service there, or an address nothing answers at, is one line."""
 
 from __future__ import annotations
 
@@ -75,11 +75,17 @@ def test_the_direct_link_is_chosen_every_time_and_the_lan_once_it_is_down(rig):
         rig.down("tb")
         try:
             down = mba.raytrm("cluster", "paths", head_lan, check=True)
+            rig.down("lan", "mba")  # every path gone: the Mac is off every network the head is on
+            try:
+                gone = one_line(mba.raytrm("cluster", "paths", head_lan))
+            finally:
+                rig.up("lan", "mba")
         finally:
             rig.up("tb")
         print(down.stdout)
         assert f"the fastest: lan {rig.address('mba')} (" in down.stdout, down.stdout
         assert head_tb not in rows(down.stdout)  # unplugged: listed no more, or listed and not answering
+        assert gone.startswith(f"raytrm: error: {head_lan}:6380: cannot reach the head there ("), gone
 
         nobody = one_line(mba.raytrm("cluster", "paths", "10.232.0.99"))
         assert nobody.startswith("raytrm: error: 10.232.0.99:6380: cannot reach the head there ("), nobody
