@@ -20,6 +20,7 @@ every solo run trains on one thread, the quota's worth of one core at most.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -34,6 +35,7 @@ from typing import Any
 from benchmarks.link import RUN_SECONDS, STEP_SECONDS, check_rates
 from benchmarks.link_models import LinkModel, mode_settings, trm_model
 from benchmarks.link_runs import read_run
+from benchmarks.rig_cpu import CpuWatch
 from raytrm import config as cfg
 from raytrm.errors import UserError
 from raytrm.train.run.metrics import read_metrics
@@ -63,6 +65,8 @@ class RigRun:
     shares: list[int] = field(default_factory=list)
     idle: float | None = None  # the fastest worker's idle share of a round (see fastest_idle)
     sync_share: float | None = None  # the run's share of a step spent in the sync (its wait for the others too)
+    studio_worker_cores: float | None = None  # the Studio's cores over the run's steady steps: its worker's,
+    studio_other_cores: float | None = None  # and every other process's (Ray's, Ray Train's, the driver)
     load: float = 0.0
     error: str = ""
 
@@ -103,7 +107,12 @@ def _run(rig: Rig, r: int, host: str, rate: str, mode: str, model: LinkModel, ru
     driver = rig["studio"] if host == "all" else rig[host]
     run_dir = runs_dir / f"{host}-{rate}-{mode.replace(':', '').replace('/', '-')}-{r}"
     try:
-        figures = train_on(driver, rig_experiment(model, mode if host == "all" else None), model, run_dir, *flags)
+        watch = CpuWatch(driver, run_dir, model.warmup + 1, model.steps - 2) if host == "all" else None
+        with watch or contextlib.nullcontext():
+            figures = train_on(driver, rig_experiment(model, mode if host == "all" else None), model, run_dir, *flags)
+        cores = watch.cores() if watch is not None else None
+        if cores is not None:
+            run.studio_worker_cores, run.studio_other_cores = cores.worker, cores.others
         run.samples_per_sec, run.quality = figures["samples_per_sec"], figures["quality"]
         run.chosen, run.reason = figures["chosen"], figures["reason"]
         run.shares = _shares(run_dir)
@@ -147,6 +156,8 @@ def _line(run: RigRun) -> str:
     shares = f", shares {run.shares}" if run.shares else ""
     idle = f", the fastest idle {run.idle:.1%} of a round" if run.idle is not None else ""
     idle += f", sync {run.sync_share:.1%} of a step" if run.sync_share is not None else ""
+    if run.studio_worker_cores is not None:
+        idle += f", the Studio's cores: its worker {run.studio_worker_cores:.3f}, the rest {run.studio_other_cores:.3f}"
     return (
         f"{where}: {run.samples_per_sec:.2f} samples/s{shares}{idle}, quality {run.quality} (load {run.load:.1f})"
         f"{chose}"

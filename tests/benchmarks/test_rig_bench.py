@@ -116,3 +116,32 @@ def test_the_two_path_summary_counts_trials_choosing_the_direct_link_and_pairs_r
     text = rig_paths.format_runs(runs)
     assert "the direct link chosen in 2 of 3 trials; bound to the LAN / chosen: 0.600" in text, text
     assert "trial 2 lan: FAILED: boom" in text, text
+
+
+def test_the_studios_cores_between_two_steps_split_into_its_worker_and_the_rest(tmp_path, monkeypatch):
+    from benchmarks import rig_cpu
+
+    steps = iter([3, 5, 12])  # what the run has logged at each look
+    samples = iter(
+        [
+            {10: (100.0, "ray::RayTrainWorker"), 11: (50.0, "gcs_server --log_dir"), 12: (7.0, "ray::IDLE")},
+            {10: (108.0, "ray::RayTrainWorker"), 11: (51.0, "gcs_server --log_dir"), 13: (1.0, "ray::IDLE")},
+        ]
+    )
+    clock = iter([0.0, 10.0])
+
+    class Host:
+        def pids(self):
+            self.now = next(samples)
+            return list(self.now)
+
+    host = Host()
+    monkeypatch.setattr(rig_cpu, "steps_logged", lambda run_dir: next(steps))
+    monkeypatch.setattr(rig_cpu, "_cpu", lambda pid: host.now[pid])
+    monkeypatch.setattr(rig_cpu.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(rig_cpu.time, "sleep", lambda s: None)
+    with rig_cpu.CpuWatch(host, tmp_path, first=5, last=10) as watch:
+        watch._thread.join(timeout=5)
+    cores = watch.cores()
+    # Between the two looks: the worker 8 s of CPU in 10 s, the GCS 1 s; a process gone or new is left out.
+    assert math.isclose(cores.worker, 0.8) and math.isclose(cores.others, 0.1)

@@ -1,0 +1,76 @@
+"""Where a rig host's cores go during a run: every process of the host sampled from /proc as the run passes two steps,
+and the cores each used in between, the training worker's apart from everything else (Ray's daemons, Ray Train's
+actors, the driver). On a host with a quota of 0.8 of a core, Ray's fixed processes are a large share of it; on a
+Mac with 8 to 24 cores the same processes are a small one, so the bench says how much they took."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.elastic_training import steps_logged
+from tests.support.host import Host
+
+#: The training worker's process title under Ray Train and under `raytrm train --elastic`.
+WORKERS = ("ray::RayTrainWorker", "ray::ElasticWorker")
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(pid: int) -> tuple[float, str] | None:
+    """A process's CPU seconds so far (user and system) and its command line, None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS, command
+
+
+@dataclass
+class HostCores:
+    """Cores a host's processes used between two steps of a run."""
+
+    worker: float
+    others: float
+
+
+class CpuWatch:
+    """Samples host's processes when the run in run_dir logs step `first` and step `last` (a thread)."""
+
+    def __init__(self, host: Host, run_dir: Path, first: int, last: int) -> None:
+        self.host, self.run_dir, self.first, self.last = host, run_dir, first, last
+        self._marks: dict[int, tuple[float, dict[int, tuple[float, str] | None]]] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> CpuWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._done.is_set() and self.last not in self._marks:
+            logged = steps_logged(self.run_dir)
+            for step in (self.first, self.last):
+                if logged >= step and step not in self._marks:
+                    self._marks[step] = (time.monotonic(), {p: _cpu(p) for p in self.host.pids()})
+            time.sleep(0.5)
+
+    def cores(self) -> HostCores | None:
+        """The cores used between the two steps, None where the run did not pass both."""
+        if self.first not in self._marks or self.last not in self._marks:
+            return None
+        (t0, before), (t1, after) = self._marks[self.first], self._marks[self.last]
+        used: list[tuple[str, float]] = []
+        for pid, now in after.items():
+            then = before.get(pid)
+            if now is not None and then is not None:
+                used.append((now[1], (now[0] - then[0]) / (t1 - t0)))
+        worker = sum(c for command, c in used if command.startswith(WORKERS))
+        return HostCores(worker, sum(c for _, c in used) - worker)
