@@ -154,19 +154,22 @@ def _line(run: RigRun) -> str:
         return f"{where}: FAILED: {run.error.splitlines()[0]}"
     chose = f"; chose {run.chosen}: {run.reason}" if run.chosen else ""
     shares = f", shares {run.shares}" if run.shares else ""
-    idle = f", the fastest idle {run.idle:.1%} of a round" if run.idle is not None else ""
-    idle += f", sync {run.sync_share:.1%} of a step" if run.sync_share is not None else ""
+    figures = f", the fastest idle {run.idle:.1%} of a round" if run.idle is not None else ""
+    figures += f", sync {run.sync_share:.1%} of a step" if run.sync_share is not None else ""
     if run.studio_worker_cores is not None:
-        idle += f", the Studio's cores: its worker {run.studio_worker_cores:.3f}, the rest {run.studio_other_cores:.3f}"
+        cores = f"its worker {run.studio_worker_cores:.3f}, the rest {run.studio_other_cores:.3f}"
+        figures += f", the Studio's cores: {cores}"
     return (
-        f"{where}: {run.samples_per_sec:.2f} samples/s{shares}{idle}, quality {run.quality} (load {run.load:.1f})"
+        f"{where}: {run.samples_per_sec:.2f} samples/s{shares}{figures}, quality {run.quality} (load {run.load:.1f})"
         f"{chose}"
     )
 
 
-def join(rig: Rig, name: str) -> None:
-    """A MacBook joins the Studio's cluster."""
-    rig[name].raytrm("cluster", "join", rig.address("studio"), "--tier", WORKER_TIER, check=True, timeout=300)
+def join(rig: Rig, name: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    """A MacBook joins the Studio's cluster (flags: `cluster join`'s own, --node-ip ADDRESS); what it printed."""
+    return rig[name].raytrm(
+        "cluster", "join", rig.address("studio"), "--tier", WORKER_TIER, *flags, check=True, timeout=300
+    )
 
 
 def _start_cluster(rig: Rig) -> None:
