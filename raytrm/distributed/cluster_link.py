@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from raytrm import config as cfg
-from raytrm.distributed.gloo_path import NodeNet, node_here, plan
+from raytrm.distributed.gloo_path import nodes_net, plan
 from raytrm.distributed.paths import Interface
 from raytrm.distributed.ray_train import Node, raytrm_nodes
 from raytrm.errors import UserError
@@ -95,7 +95,7 @@ def measure_cluster_link(
         return ray.remote(num_cpus=0)(fn).options(scheduling_strategy=strategy)
 
     port = ray.get(on(nodes[0], free_port).remote(), timeout=timeout_s)
-    found_nets = [NodeNet.from_dict(d) for d in ray.get([on(n, node_here).remote() for n in nodes], timeout=timeout_s)]
+    found_nets = nodes_net([n.node_id for n in nodes], timeout_s)
     chosen = plan(found_nets) or {}
     address, count = nodes[0].address, len(nodes)
     probes = [

@@ -5,7 +5,8 @@ Ray Train's worker group restarts every worker from the last checkpoint when one
 machine out until then. Here the driver instead:
 
 - serves the run's membership store (a `torch.distributed.TCPStore` on the head: no worker hosts what the others
-  need) and starts one actor per Mac (`--workers N` on one machine), named in rank order, the head's first;
+  need) and starts one actor per Mac (`--workers N` on one machine), named in rank order, the head's first, its gloo
+  bound to the network of the fastest paths (raytrm.distributed.gloo_path; a Mac that comes later, to the same);
 - waits on the actors' runs: one that fails or whose Mac leaves is logged and left to the membership (the others
   regroup within its deadline, raytrm.train.elastic);
 - every few seconds looks for raytrm machines with no worker (a Mac that joined the cluster, or came back with a new
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from raytrm.constants import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV, RESOURCE_MACHINE
+from raytrm.distributed import gloo_path
+from raytrm.distributed.node import GLOO_IFNAME_ENV
 from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -54,11 +57,22 @@ def fit_elastic(
     job = {**job, "store": (host, store.port), "size": count}
     here = ray.get_runtime_context().get_node_id()
     ordered = sorted(nodes, key=lambda n: n.node_id != here)[:count] if on_cluster else []
+    # Every worker's gloo bound to the network of the fastest paths (Ray Train's workers are bound the same way).
+    found = gloo_path.nodes_net([n.node_id for n in ordered], timeout_s=FIRST_DEADLINE_S) if on_cluster else []
+    paths = gloo_path.plan(found)
+    if on_cluster:
+        logger.info(gloo_path.describe(paths, found))
     runs: dict[Any, tuple[str, str | None]] = {}  # an actor's run -> its name and node
     actors: dict[str, Any] = {}
 
     def start(name: str, node_id: str | None, join: bool) -> None:
-        actor = _worker_class().options(**_placement(node_id, on_cluster, count)).remote(job, name, join)
+        interface = (paths or {}).get(node_id) if node_id else None
+        if join and paths and node_id is not None:
+            interface = gloo_path.newcomer(paths, gloo_path.nodes_net([node_id], timeout_s=FIRST_DEADLINE_S)[0])
+            if interface is None:
+                logger.warning("worker %s: its Mac is not on the network the run's gradient sync binds", name)
+        options = _placement(node_id, on_cluster, count)
+        actor = _worker_class().options(**options).remote(job, name, join, interface and interface.name)
         actors[name] = actor
         runs[actor.run.remote()] = (name, node_id)
 
@@ -131,8 +145,8 @@ def _worker_class() -> Any:
 class ElasticWorker:
     """One worker of an elastic run, in a Ray actor: it starts with the run's first members or joins the run."""
 
-    def __init__(self, job: dict, name: str, join: bool) -> None:
-        self.job, self.name, self.join = job, name, join
+    def __init__(self, job: dict, name: str, join: bool, interface: str | None = None) -> None:
+        self.job, self.name, self.join, self.interface = job, name, join, interface
 
     def pid(self) -> int:
         return os.getpid()
@@ -155,6 +169,9 @@ class ElasticWorker:
         tier = node_tier()
         config = worker_config(job, tier)
         logger.info("worker %s (pid %d) on tier %s%s", self.name, os.getpid(), tier, ", joining" if self.join else "")
+        gloo_path.bind(self.interface)  # read by gloo at each membership's group
+        if os.environ.get(GLOO_IFNAME_ENV):
+            logger.info("worker %s: the gradient sync goes through %s", self.name, os.environ[GLOO_IFNAME_ENV])
         host, port = job["store"]
         store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=120))
         members = Membership(store, self.name, deadline=job.get("deadline_s", FIRST_DEADLINE_S))

@@ -65,12 +65,25 @@ def plan(nodes: Sequence[NodeNet]) -> dict[str, Interface] | None:
     best = max(shared, key=score)  # the first of equals, in a stable order
     # A Mac may hold two addresses on one network (Wi-Fi and Ethernet on one LAN): the ends join measured come first.
     ends = {a for n in unique for a in (n.path, n.path_head) if a}
+    picked = {n.node_id: _pick(n, best, ends) for n in unique}  # every node is on the shared network
+    return {node_id: i for node_id, i in picked.items() if i is not None}
 
-    def pick(n: NodeNet) -> Interface:
-        inside = [i for i in n.interfaces if _inside(i.ip, best)]
-        return next((i for i in inside if i.ip in ends), inside[0])
 
-    return {n.node_id: pick(n) for n in unique}
+def _pick(node: NodeNet, network: ipaddress.IPv4Network, ends: set[str]) -> Interface | None:
+    inside = [i for i in node.interfaces if _inside(i.ip, network)]
+    return next((i for i in inside if i.ip in ends), inside[0] if inside else None)
+
+
+def newcomer(plan_: dict[str, Interface] | None, node: NodeNet) -> Interface | None:
+    """The interface of a node that enters a running run: the one on the network the run's plan binds (the end of the
+    path it joined by first), None where the run binds no plan or the node is not on that network."""
+    if not plan_:
+        return None
+    if node.node_id in plan_:
+        return plan_[node.node_id]
+    first = next(iter(plan_.values()))
+    ends = {a for a in (node.path, node.path_head) if a} | {i.ip for i in plan_.values()}
+    return _pick(node, first.network, ends)
 
 
 def describe(plan_: dict[str, Interface] | None, nodes: Sequence[NodeNet]) -> str:
@@ -106,6 +119,16 @@ def node_here() -> dict[str, Any]:
         "path": label(PATH_LABEL),
         "path_head": label(PATH_HEAD_LABEL),
     }
+
+
+def nodes_net(node_ids: Sequence[str], timeout_s: float | None = None) -> list[NodeNet]:
+    """What the plan knows of each node (by Ray node id), from a task on each (Ray connected)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0)(node_here)
+    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(i, soft=False)).remote() for i in node_ids]
+    return [NodeNet.from_dict(d) for d in ray.get(refs, timeout=timeout_s)]
 
 
 def bind(name: str | None) -> str | None:

@@ -1,8 +1,9 @@
 """The fastest path on two real hosts joined by a slow LAN and a fast direct link (a Wi-Fi and a Thunderbolt bridge):
 `raytrm cluster paths` measures both and picks the direct link every time, the LAN once the link is down, and says in
 one line that it cannot reach the head once both are; `cluster head` + `cluster join` record the direct link for the
-gradient sync, and the sync (`cluster status --link`) goes through it, and `cluster stop` leaves nothing running; a
-head without its path service there, or an address nothing answers at, is one line."""
+gradient sync, and the sync (`cluster status --link`, Ray Train's workers and raytrm's own actors) goes through it, and
+`cluster stop` leaves nothing running; a head without its path service there, or an address nothing answers at, is one
+line."""
 
 from __future__ import annotations
 
@@ -132,6 +133,12 @@ def test_head_and_join_record_the_direct_link_and_the_sync_goes_through_it(rig, 
         studio.raytrm("train", "--config", str(config), "--address", "auto", "--out", str(run), check=True, timeout=400)
         for rank in (0, 1):
             assert "the gradient sync goes through tb" in (run / "logs" / f"worker-{rank}.log").read_text(), rank
+        # The same through raytrm's own actors (`--elastic`), whose Macs may come and go.
+        argv = ("train", "--config", str(config), "--address", "auto", "--elastic", "--out", str(run / "elastic"))
+        studio.raytrm(*argv, check=True, timeout=400)
+        for rank in (0, 1):
+            log = (run / "elastic" / "logs" / f"worker-{rank}.log").read_text()
+            assert f"worker w0{rank}: the gradient sync goes through tb" in log, log
 
         # A head without a path service on the port given (an older raytrm, a wrong port): one line, no node.
         mba.raytrm("cluster", "stop", check=True)

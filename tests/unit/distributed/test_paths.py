@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from raytrm.distributed import cluster_commands, path_client, paths
-from raytrm.distributed.gloo_path import NodeNet, describe, plan
+from raytrm.distributed.gloo_path import NodeNet, describe, newcomer, plan
 from raytrm.distributed.path_service import Service
 from raytrm.distributed.paths import Interface, Measured
 from raytrm.errors import UserError
@@ -89,6 +89,19 @@ def test_of_two_addresses_on_one_network_the_ends_join_measured_are_bound():
     mba = NodeNet("mba", "192.168.1.11", (LAN["mba"],), path="192.168.1.11", path_head=ethernet.ip)
     assert plan([studio, mba]) == {"studio": ethernet, "mba": LAN["mba"]}
     assert plan([studio, NodeNet("mba", "192.168.1.11", (LAN["mba"],))])["studio"] == wifi  # type: ignore[index]
+
+
+def test_a_mac_entering_a_running_run_binds_the_network_the_run_binds():
+    bridged = plan([node("studio"), node("mba", path="10.0.0.2")])
+    # The MacBook back with a new node (a new `cluster join`): the bridge again, by its path's end.
+    back = NodeNet("mba-again", LAN["mba"].ip, (LAN["mba"], BRIDGE["mba"]), "10.0.0.2")
+    assert newcomer(bridged, back) == BRIDGE["mba"]
+    assert newcomer(bridged, node("studio")) == BRIDGE["studio"]  # a node of the plan keeps its interface
+    # A Mac on the LAN alone cannot reach the bridge: nothing to bind (it keeps its Ray address's interface).
+    assert newcomer(bridged, node("mbp")) is None
+    over_lan = plan([node("studio"), node("mba", path="192.168.1.11")])
+    assert newcomer(over_lan, node("mbp")) == LAN["mbp"]
+    assert newcomer(None, node("mbp")) is None
 
 
 def test_one_node_or_no_shared_network_keeps_each_nodes_own_interface():
