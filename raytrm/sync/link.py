@@ -10,13 +10,19 @@ most the target. Local weighs two rounds, each the fewest inner steps that keep 
 further apart): the exchange in the open, and the exchange behind as many steps as it takes, in a round at least
 OVERLAP_ROUND times as long. It takes the one that waits less: the modes bench measured rounds of 5 to 50 steps,
 behind or not, within 0.01 of exact sync's quality, while a round that waits a full target's share in the open
-waits more still on a real pair (each round's end also waits for the slower worker, which the model leaves out).
+waits more still on a real pair.
+
+Each exchange also waits for the slowest worker's compute: shares sized to each worker's speed leave only the noise
+of its step times, which the choice counts once it has measured them (`Lateness`, from the workers' step times). A
+round of H steps waits for the noise of H steps summed, about sqrt(H) times a step's: exact sync pays it every step,
+local rounds once per H, so noisy machines on a fast link may still take short rounds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -133,17 +139,55 @@ class Choice:
         }
 
 
-def step_share(link: Link, step_s: float, nbytes: float, every: int = 1, overlap: int = 0) -> float:
+@dataclasses.dataclass
+class Lateness:
+    """The workers' step times without sync, measured over the same steps (one row a worker): how long an exchange
+    after a round of `every` steps waits for the slowest worker's compute."""
+
+    times: Sequence[Sequence[float]]
+
+    def seconds(self, every: int) -> float:
+        """The mean over the workers of the slowest one's time for a round less their own, over the consecutive
+        rounds of `every` steps measured; a round longer than half the steps measured takes the longest measured,
+        grown by the square root of the ratio (the independent noise of steps adds up so)."""
+        steps = min((len(row) for row in self.times), default=0)
+        if len(self.times) < 2 or steps == 0:
+            return 0.0
+        size = min(every, max(1, steps // 2))
+        waits = []
+        for start in range(0, steps - size + 1, size):
+            sums = [sum(row[start : start + size]) for row in self.times]
+            waits.append(max(sums) - statistics.fmean(sums))
+        return statistics.fmean(waits) * math.sqrt(every / size)
+
+
+NO_LATENESS = Lateness(())
+
+
+def step_share(
+    link: Link, step_s: float, nbytes: float, every: int = 1, overlap: int = 0, late: Lateness = NO_LATENESS
+) -> float:
     """The predicted share of a step spent waiting when `nbytes` are summed every `every` steps, the sum travelling
-    behind `overlap` of them."""
-    exposed = max(0.0, link.seconds(nbytes) - overlap * step_s) + SMALL_EXCHANGES * link.latency_s
+    behind `overlap` of them and starting when the slowest worker is done (`late`)."""
+    exposed = _exposed(link, step_s, nbytes, every, overlap, late)
     return exposed / (every * step_s + exposed)
 
 
-def fewest_steps(link: Link, step_s: float, nbytes: float, overlap: int, target: float) -> int:
-    """The fewest inner steps per round (more than `overlap`) whose share is at most target."""
-    exposed = max(0.0, link.seconds(nbytes) - overlap * step_s) + SMALL_EXCHANGES * link.latency_s
-    return max(overlap + 1, math.ceil(exposed * (1 - target) / (target * max(step_s, 1e-9)) - 1e-9))
+def _exposed(link: Link, step_s: float, nbytes: float, every: int, overlap: int, late: Lateness) -> float:
+    travel = link.seconds(nbytes) + late.seconds(every)
+    return max(0.0, travel - overlap * step_s) + SMALL_EXCHANGES * link.latency_s
+
+
+def fewest_steps(
+    link: Link, step_s: float, nbytes: float, overlap: int, target: float, late: Lateness = NO_LATENESS
+) -> int:
+    """The fewest inner steps per round (more than `overlap`) whose share is at most target (MAX_EVERY + 1 where
+    none is, waiting for the slowest as `late` says)."""
+    exposed = _exposed(link, step_s, nbytes, 1, overlap, NO_LATENESS)
+    every = max(overlap + 1, math.ceil(exposed * (1 - target) / (target * max(step_s, 1e-9)) - 1e-9))
+    while every <= MAX_EVERY and step_share(link, step_s, nbytes, every, overlap, late) > target:
+        every += 1  # the wait for the slowest grows with the round, more slowly than the round
+    return every
 
 
 def choose(
@@ -157,15 +201,19 @@ def choose(
     target: float = TARGET_SHARE,
     max_every: int = MAX_EVERY,
     overlap_ok: bool = True,
+    late: Lateness = NO_LATENESS,
 ) -> Choice:
     """The first of `modes` (exact, compressed, local) whose predicted share is at most target; every and overlap,
     where given, fix local's round (else the fewest steps that meet the target, up to max_every). overlap_ok: the
-    choice may let a round's exchange travel behind the next inner steps."""
-    exact = step_share(link, step_s, model_bytes)
-    compressed = step_share(link, step_s, model_bytes / 2)
+    choice may let a round's exchange travel behind the next inner steps. late: the measured wait for the slowest
+    worker (none before the steps are measured)."""
+    exact = step_share(link, step_s, model_bytes, late=late)
+    compressed = step_share(link, step_s, model_bytes / 2, late=late)
+    lateness = late.seconds(1)
+    waits = f", the slowest worker {lateness * 1e3:.0f} ms late a step" if lateness > 0 else ""
     said = (
-        f"link {link.describe()}, a step {step_s:.3f} s without sync, {model_bytes / 1e6:.2f} MB to sum: exact would "
-        f"wait {exact:.1%} of a step, compressed {compressed:.1%}"
+        f"link {link.describe()}, a step {step_s:.3f} s without sync{waits}, {model_bytes / 1e6:.2f} MB to sum: exact "
+        f"would wait {exact:.1%} of a step, compressed {compressed:.1%}"
     )
     if "exact" in modes and exact <= target:
         return Choice("exact", None, 0, exact, f"{said}; exact keeps it at most {target:.0%}")
@@ -176,21 +224,25 @@ def choose(
     else:  # chosen: behind as many steps as the sum takes, in rounds at least OVERLAP_ROUND times as long
         behind = math.ceil(link.seconds(model_bytes) / max(step_s, 1e-9))
         options, ratio = ([0, behind] if overlap_ok and behind > 0 else [0]), OVERLAP_ROUND
+
+    def share_of(h: int, tau: int) -> float:
+        return step_share(link, step_s, model_bytes, h, tau, late)
+
     if every is not None:
         taus = sorted({min(t, every // ratio, every - 1) for t in options})
-        tau = min(taus, key=lambda t: (step_share(link, step_s, model_bytes, every, t), t))
-        share = step_share(link, step_s, model_bytes, every, tau)
+        tau = min(taus, key=lambda t: (share_of(every, t), t))
+        share = share_of(every, tau)
         return Choice("local", every, tau, share, f"{said}; local rounds of H={every} (set) wait {share:.1%}")
 
     def steps(tau: int) -> int:
-        return max(fewest_steps(link, step_s, model_bytes, tau, target), ratio * tau)
+        return max(fewest_steps(link, step_s, model_bytes, tau, target, late), ratio * tau)
 
-    tau = min(options, key=lambda t: (step_share(link, step_s, model_bytes, steps(t), t), steps(t), t))
+    tau = min(options, key=lambda t: (share_of(steps(t), t), steps(t), t))
     h = steps(tau)
     if h > max_every:
         h, tau = max_every, min(tau, max_every // ratio, max_every - 1)
-        share = step_share(link, step_s, model_bytes, h, tau)
+        share = share_of(h, tau)
         return Choice("local", h, tau, share, f"{said}; even local rounds of H={h}, the longest, wait {share:.1%}")
-    share = step_share(link, step_s, model_bytes, h, tau)
+    share = share_of(h, tau)
     behind = f", the exchange behind {tau} step(s)" if tau else ""
     return Choice("local", h, tau, share, f"{said}; local rounds of H={h}{behind} wait {share:.1%}")

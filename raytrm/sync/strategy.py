@@ -12,7 +12,7 @@ time without sync (exact where the link makes that cheap, else one local round o
 (raytrm.sync.link.choose); a `sync-choice` event gives the choice and its reason. Every CHECK_EVERY steps the workers
 compare the share of their steps spent waiting with the prediction; when it drifts (above both the target and twice
 the prediction, or below a quarter of it outside exact), the link is measured again and the choice is made again
-from the latest steps' times.
+from the latest steps' times, every worker's: how late the slowest is, as well as how long a step takes.
 
 Every decision is taken at a round's end from gathered measurements, so every rank takes the same one at the same
 step. A worker's share of waiting is its sync seconds over its step seconds (a round's exchange counts in the step
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -32,7 +33,7 @@ from typing import Any
 from raytrm import config as cfg
 from raytrm.sync.contract import GradientSync, LocalSync, Replica
 from raytrm.sync.exact import Exact
-from raytrm.sync.link import MODES, TARGET_SHARE, Choice, Link, choose, measure_link
+from raytrm.sync.link import MODES, NO_LATENESS, TARGET_SHARE, Choice, Lateness, Link, choose, measure_link
 from raytrm.sync.local import Local, on_cpu
 from raytrm.sync.mode import REGISTRY, Mode, Reduced, Scalar
 
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 PROBE_STEPS = 3  # steps timed before the first choice (the first of them, warm-up, is not counted)
 PROBE_MAX_STEPS = 12  # while the memory governor still probes the cut, the choice waits for it, up to this step
-CHECK_EVERY = 50  # steps between the workers' comparisons of the measured share with the prediction
+CHECK_EVERY = 25  # steps between the workers' comparisons of the measured share with the prediction
 CHEAP_PROBE_S = 0.25  # the probe steps run exact where the link sums the model's bytes in at most this
 
 
@@ -212,7 +213,14 @@ class SyncStrategy:
         mine = statistics.median(times) if times else 0.0
         return max(row[0] for row in self.sync.gather_floats([mine]))
 
-    def _choose(self, step_s: float) -> Choice:
+    def _lateness(self) -> Lateness:
+        """Every worker's step times without sync over the latest steps, the same steps each (a collective)."""
+        mine = self._times[-CHECK_EVERY:]
+        rows = self.sync.gather_floats([math.nan] * (CHECK_EVERY - len(mine)) + mine)
+        shared = [i for i in range(CHECK_EVERY) if not any(math.isnan(row[i]) for row in rows)]
+        return Lateness([[row[i] for i in shared] for row in rows])
+
+    def _choose(self, step_s: float, late: Lateness) -> Choice:
         assert self.link is not None
         train = self.train
         limit = max(1, train.steps // 4) if train.steps else None  # a round no longer than a quarter of the run
@@ -223,13 +231,15 @@ class SyncStrategy:
             modes=MODES if train.sync_mode == "auto" else ("local",),
             every=train.sync_every,
             overlap=train.sync_overlap,
+            late=late,
             **({"max_every": limit} if limit else {}),
         )
 
     def _decide(self, first: bool, measured: float | None = None) -> float:
-        """Choose from the link and the latest steps, switch, record; returns the seconds the switch waited."""
+        """Choose from the link and the latest steps (after the first choice, how late the slowest worker was too),
+        switch, record; returns the seconds the switch waited."""
         step_s = self._step_time(skip_first=first)
-        choice = self._choose(step_s)
+        choice = self._choose(step_s, NO_LATENESS if first else self._lateness())
         kept = (choice.mode, choice.every, choice.overlap) == (self.mode.name, self.every, self.overlap)
         waited = self._enter(choice.mode, choice.every, choice.overlap)
         self._record(choice, step_s=step_s, measured=measured)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raytrm.sync import strategy as sync_modes
-from raytrm.sync.link import Link, choose, fit_link, measure_link, step_share
+from raytrm.sync.link import Lateness, Link, choose, fit_link, measure_link, step_share
 from raytrm.sync.local import Local
 from raytrm.train.loop import Hook, Loop
 from raytrm.train.run.stop_rules import StepLimit
@@ -70,6 +70,31 @@ def test_a_slow_link_takes_the_fewest_local_steps_that_keep_the_share():
     assert capped.every == 50 and capped.share > 0.05 and "the longest" in capped.reason
     # Local asked for (without H): never exact, even on a fast link.
     assert choose(Link(1e-4, 10_000 * MBIT), 0.1, 4_000_000, modes=("local",)).mode == "local"
+
+
+def test_lateness_is_the_slowest_workers_lead_over_the_mean_for_a_round():
+    # The other worker alternates 0.2 s slower and faster than this one: each step's exchange waits on it (its lead
+    # over the two's mean: 0.1 s), a round of two steps not at all.
+    late = Lateness([[1.0, 1.0, 1.0, 1.0], [1.2, 0.8, 1.2, 0.8]])
+    assert late.seconds(1) == pytest.approx(0.1)
+    assert late.seconds(2) == pytest.approx(0.0)
+    # Rounds longer than half the steps measured: the longest measured, grown as the root of the ratio.
+    steady = Lateness([[1.0] * 4, [1.1] * 4])  # one worker 0.1 s slower every step (shares not yet balanced)
+    assert steady.seconds(2) == pytest.approx(0.1) and steady.seconds(8) == pytest.approx(0.1 * 2)
+    assert Lateness([[1.0, 2.0]]).seconds(1) == 0.0 and Lateness([[], []]).seconds(3) == 0.0
+
+
+def test_a_fast_link_between_noisy_workers_takes_short_rounds():
+    link, step_s, nbytes = Link(1e-4, 10_000 * MBIT), 0.5, 4_000_000  # 3.3 ms a sum: exact waits 0.7%
+    assert choose(link, step_s, nbytes).mode == "exact"
+    # Step times that jitter by 10% between workers: exact would wait for the slowest a tenth of every step.
+    gen = torch.Generator().manual_seed(0)
+    times = (step_s * (1 + 0.1 * torch.randn(2, 25, generator=gen))).tolist()
+    late = Lateness(times)
+    noisy = choose(link, step_s, nbytes, late=late)
+    assert noisy.mode == "local" and noisy.share <= 0.05 < step_share(link, step_s, nbytes, late=late)
+    assert f"the slowest worker {late.seconds(1) * 1e3:.0f} ms late a step" in noisy.reason
+    assert late.seconds(noisy.every) < noisy.every * late.seconds(1)  # the noise of a round's steps partly cancels
 
 
 class FakeClock:
@@ -216,6 +241,40 @@ def test_a_drifting_share_measures_again_and_chooses_again(tiny, monkeypatch):
     assert [c["mode"] for c in choices] == ["exact", "local"]
     assert choices[1]["measured_share"] > 0.05 and choices[1]["step"] >= 7
     assert "measured_share" not in choices[0]
+    trainer.close()
+
+
+class LateOther(MirroredSync):
+    """The other worker is `late` s slower than this one on odd steps and as much faster on even ones: each exact sum
+    of an odd step waits for it, and the gathered step times (CHECK_EVERY of them) show its."""
+
+    def __init__(self, link: Link, clock: FakeClock, late: float) -> None:
+        super().__init__(link, clock)
+        self.late, self.sums = late, 0
+
+    def all_reduce_gradients(self, params):
+        self.sums += 1
+        waited = self.late if self.sums % 2 else 0.0
+        self.clock.t += waited
+        return super().all_reduce_gradients(params) + waited
+
+    def gather_floats(self, values):
+        if len(values) != sync_modes.CHECK_EVERY:
+            return super().gather_floats(values)
+        return [list(values), [v + (self.late if i % 2 else -self.late) for i, v in enumerate(values)]]
+
+
+def test_waiting_for_a_noisy_worker_moves_exact_sync_to_rounds(tiny, monkeypatch):
+    # A fast link: exact at first; then every other step waits 0.1 s for the other worker, 9% of a 0.5 s step, which
+    # the link does not explain: the run counts the lateness it measured and takes rounds, in which it cancels out.
+    monkeypatch.setattr(sync_modes, "CHECK_EVERY", 4)
+    clock = FakeClock()
+    trainer = Trainer(tiny(training={"sync_mode": "auto"}), sync=LateOther(Link(1e-5, 100_000 * MBIT), clock, 0.1))
+    scripted_steps(trainer, 0.5, clock)
+    choices = _run(trainer, [], steps=12)
+    assert [c["mode"] for c in choices] == ["exact", "local"], choices
+    assert choices[1]["measured_share"] > 0.05 >= choices[1]["predicted_share"]
+    assert "the slowest worker 50 ms late a step" in choices[1]["reason"]
     trainer.close()
 
 
