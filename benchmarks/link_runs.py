@@ -58,6 +58,13 @@ def read_run(run_dir: Path, model: LinkModel) -> dict[str, Any]:
     if chosen and summary.get("sync_overlap"):
         chosen += f" behind {summary['sync_overlap']}"
     choices = summary.get("sync_choices") or [{}]
+
+    def setting(choice: dict[str, Any]) -> tuple[Any, ...]:
+        return choice.get("mode"), choice.get("every"), choice.get("overlap")
+
+    if chosen and any(setting(c) != setting(choices[-1]) for c in choices[:-1]):  # switched on drift: since when
+        before = ", ".join(str(c.get("mode")) for c in choices[:-1])
+        chosen += f" from step {choices[-1].get('step')} (before: {before})"
     return {
         "samples_per_sec": model.global_batch * len(timed) / sum(seconds),
         "sync_share": share,

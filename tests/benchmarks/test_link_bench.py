@@ -85,6 +85,9 @@ def test_the_summary_s_sync_share_and_choice_win(tmp_path, share):
     summary["sync_overlap"] = 2  # the round's sum travelled behind 2 steps
     got = link_runs.read_run(fake_run(tmp_path / "behind", 4, lambda s: 4.0, summary=summary), model)
     assert got["chosen"] == "local H=16 behind 2"
+    summary["sync_choices"] = [{"step": 3, "mode": "exact"}, {"step": 28, "mode": "local"}]  # chosen again on drift
+    got = link_runs.read_run(fake_run(tmp_path / "again", 4, lambda s: 4.0, summary=summary), model)
+    assert got["chosen"] == "local H=16 behind 2 from step 28 (before: exact)"
 
 
 def run(rate, mode, r, rate_s, quality, share=0.1, error=""):
