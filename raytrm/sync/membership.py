@@ -24,11 +24,13 @@ that live member, never from a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -253,6 +255,19 @@ class Membership:
         except (RuntimeError, ValueError, TimeoutError) as error:
             raise PeerLost(f"epoch {view.epoch}: its group did not form ({error})") from error
         return view
+
+    @contextlib.contextmanager
+    def allowing(self, seconds: float) -> Iterator[None]:
+        """The current group's collectives bounded by `seconds` (never less than the deadline) inside the block, by
+        the deadline again after it: for a transfer the deadline was not measured for (a state many times the
+        gradient's size), which would otherwise fail at every membership and the next would try it again."""
+        from torch.distributed.distributed_c10d import _set_pg_timeout  # torch's setter of a live group's timeout
+
+        _set_pg_timeout(datetime.timedelta(seconds=max(seconds, self.deadline)))
+        try:
+            yield
+        finally:
+            _set_pg_timeout(datetime.timedelta(seconds=self.deadline))
 
     def source(self, progress: int) -> tuple[int, bool]:
         """After an epoch forms (a collective of its group): the rank whose state every member takes, the one

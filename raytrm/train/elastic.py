@@ -9,7 +9,9 @@ a boundary that a worker waits to join (`joins_waiting`), the loop calls `recove
 2. has the sync read its rank and its group's size again (`regrouped`);
 3. gives every member the state of the member furthest along (the model or what trains of it, the optimizers, the
    EMA, the step, the samples seen, the RNG states): a newcomer, a worker back from sleep and a worker whose last
-   collective failed where the others' completed all continue from the same weights, taken from a live peer;
+   collective failed where the others' completed all continue from the same weights, taken from a live peer. The
+   state is several times the gradient's bytes: its transfer gets the deadline once for each gradient's worth per
+   member, not one deadline, which on a slow link it would miss at every membership;
 4. splits the global batch evenly over the new set (the peers' balancer refits it from their next steps) and starts
    every slot's carry afresh (TRM's halting state of the slots a lost worker held left with it);
 5. builds the sync strategy anew over the new set, so the mode is chosen again for it (`auto`), and tells the hooks
@@ -23,6 +25,7 @@ seconds the change took, which the metrics log shows.
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -109,6 +112,7 @@ class Elastic:
             except Exception as error:  # the new set lost a member too: the next one
                 if not self.lost(error):
                     raise
+                logger.warning("the membership forming at step %d failed (%s): forming the next", trainer.step, error)
         state_taken = self.clock()
         self._restart_sync(loop)
         self.timed = True
@@ -141,8 +145,11 @@ class Elastic:
         """Every member takes the state of the one with the most steps done (collectives of the new group)."""
         sync = trainer.sync
         source, _ = self.membership.source(-1 if newcomer else trainer.step)
-        state = trainer_state.capture(trainer, gathered=False) if sync.rank == source else None
-        state = sync.broadcast_object(state, src=source)
+        blob = pickle.dumps(trainer_state.capture(trainer, gathered=False)) if sync.rank == source else None
+        nbytes = sync.broadcast_object(len(blob) if blob is not None else None, src=source)
+        gradient = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+        with self.membership.allowing(self.membership.deadline * sync.world_size * nbytes / max(gradient, 1)):
+            blob = sync.broadcast_object(blob, src=source)
         trainer.shares = split(trainer.global_batch, [1.0] * sync.world_size)
         trainer.shard = shard(trainer.shares, sync.rank)
         trainer.cut.set(trainer.micro_batch, trainer.local_batch)
@@ -150,6 +157,7 @@ class Elastic:
             trainer.task.load_carry(None, trainer.device)
             return
         own = [trainer.micro_batch] * sync.world_size  # each member keeps its own cut
+        state = pickle.loads(blob)  # a member's own state, from the run's group
         trainer_state.restore(trainer, {**state, "carry": None, "shares": trainer.shares, "micro_batches": own})
 
     def _restart_sync(self, loop: Any) -> None:

@@ -53,6 +53,39 @@ def test_a_member_holds_for_rank_0s_work_alone_past_the_deadline_until_it_is_rel
         later.hold("eval/20", timeout_s=1.0)
 
 
+def _late_transfers(rank: int, world_size: int, device) -> dict[str, object]:
+    """Two broadcasts from rank 0, which starts each 2.5 s late, in a group whose deadline is 1 s: the first allowed
+    6 s, the second bounded by the deadline again; what rank 1 received, or whether it took rank 0 for lost."""
+    import torch
+    import torch.distributed as dist
+
+    members = Membership(None, f"w{rank}", deadline=1.0)
+    with members.allowing(0.0):  # never under the deadline: the group's collectives are bounded by 1 s from here
+        pass
+    got: dict[str, object] = {}
+    for name, seconds in (("allowed", 6.0), ("after", 0.0)):
+        value = torch.zeros(1)
+        if rank == 0:
+            time.sleep(2.5)
+            value += 7
+        try:
+            with members.allowing(seconds):
+                dist.broadcast(value, src=0)
+            got[name] = float(value)
+        except RuntimeError as error:
+            got[name] = "lost" if is_peer_lost(error) else str(error)
+            break
+    return got
+
+
+@pytest.mark.slow  # two processes and their gloo group
+def test_a_transfer_allowed_longer_than_the_deadline_completes_and_the_deadline_holds_after_it():
+    from raytrm.distributed.launch import spawn
+
+    _, receiver = spawn(_late_transfers, 2, timeout_s=120)
+    assert receiver == {"allowed": 7.0, "after": "lost"}
+
+
 def test_gloo_words_for_a_lost_peer_are_recognised():
     assert is_peer_lost(RuntimeError("[gloo/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation"))
     assert is_peer_lost(RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:7557"))
