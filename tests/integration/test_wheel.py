@@ -53,8 +53,9 @@ def installed(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     assert not [n for n in names if n.split("/")[0] in ("benchmarks", "tests", "tune_spaces")], names
     venv = work / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], work, env)
-    _run([str(venv / "bin" / "pip"), "install", "-q", TORCH], work, env)
-    _run([str(venv / "bin" / "pip"), "install", "-q", str(wheel)], work, env)
+    # Not byte-compiled: the commands below import a fraction of what torch and Ray install.
+    _run([str(venv / "bin" / "pip"), "install", "-q", "--no-compile", TORCH], work, env)
+    _run([str(venv / "bin" / "pip"), "install", "-q", "--no-compile", str(wheel)], work, env)
     elsewhere = work / "elsewhere"
     elsewhere.mkdir()
     return venv / "bin", env | {"HOME": str(work / "home"), "PWD": str(elsewhere)}
