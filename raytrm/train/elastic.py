@@ -4,8 +4,9 @@ When a collective of a step fails because a peer missed its deadline or left (`l
 a boundary that a worker waits to join (`joins_waiting`), the loop calls `recover`, which:
 
 1. forms the next membership (`Membership.regroup`; a worker the others left behind joins again, `join`), whose
-   collectives' deadline is the grace times a step's sum and compute as the run measured them (set at the first
-   boundary where the members look for joiners, when it is far from the deadline the run started with);
+   collectives' deadline is the grace times a step's sum and compute as the run measured them (the sum: the model's
+   over the measured link and the steps a round's sum travels behind, where longer than the step's own; set at the
+   first boundary where the members look for joiners, when it is far from the deadline the run started with);
 2. has the sync read its rank and its group's size again (`regrouped`);
 3. gives every member the state of the member furthest along (the model or what trains of it, the optimizers, the
    EMA, the step, the samples seen, the RNG states): a newcomer, a worker back from sleep and a worker whose last
@@ -87,11 +88,22 @@ class Elastic:
         due = self.membership.pending_joins() > 0
         if not self.timed and loop.last_step is not None:
             result = loop.last_step.result
-            measured = deadline_s(result.sync_seconds, result.compute_seconds)
+            measured = deadline_s(self._sum_seconds(loop), result.compute_seconds)
             if abs(measured - self.membership.deadline) > 0.5 * self.membership.deadline:
                 self.membership.publish_deadline(measured)
                 due = self.retiming = True
         return due
+
+    @staticmethod
+    def _sum_seconds(loop: Any) -> float:
+        """What the run's slowest sum may take from its start: the last step's sync, or, where the run measured its
+        link, the model's sum over it and the steps a round's sum travels behind (a local round's inner step sums
+        nothing, yet the round's sum of deltas is bounded by the same deadline)."""
+        result, strategy = loop.last_step.result, loop.trainer.strategy
+        if strategy.link is None:
+            return result.sync_seconds
+        behind = strategy.overlap * result.compute_seconds
+        return max(result.sync_seconds, strategy.link.seconds(strategy.model_bytes) + behind)
 
     def recover(self, loop: Any) -> list[dict[str, Any]]:
         """The next membership, the furthest member's state on every member, the work split over the new set."""

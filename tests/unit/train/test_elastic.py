@@ -89,3 +89,24 @@ def test_rank_0_evaluating_longer_than_the_deadline_loses_no_one(elastic_run, ti
     assert studio["step"] == air["step"] == 9 and (studio["weights"] == air["weights"]).all()
     assert [c for c in studio["changes"] if c["left"] or c["entered"]] == []
     assert sorted([studio["evaluated"], air["evaluated"]]) == [0, 3]  # steps 4 and 8, and the final one, on rank 0
+
+
+def test_the_measured_deadline_covers_a_rounds_sum_though_its_inner_steps_sum_nothing():
+    from types import SimpleNamespace
+
+    from raytrm.sync.link import Link
+    from raytrm.sync.membership import deadline_s
+    from raytrm.train.elastic import Elastic
+
+    def loop(sync_s: float, link: Link | None, overlap: int) -> SimpleNamespace:
+        strategy = SimpleNamespace(link=link, model_bytes=6_000_000, overlap=overlap)
+        step = SimpleNamespace(result=SimpleNamespace(sync_seconds=sync_s, compute_seconds=2.5))
+        return SimpleNamespace(last_step=step, trainer=SimpleNamespace(strategy=strategy))
+
+    slow = Link(0.001, 14e6 / 8)  # 14 Mbit/s: the model's sum 3.43 s
+    # A local round's inner step (no sync), its round's sum behind 2 steps: the sum's 3.43 s and the 5 s it travels.
+    assert Elastic._sum_seconds(loop(0.0, slow, 2)) == pytest.approx(0.001 + 6_000_000 / (14e6 / 8) + 5.0)
+    assert deadline_s(Elastic._sum_seconds(loop(0.0, slow, 2)), 2.5) > 3 * (3.4 + 5.0 + 2.5)
+    # Exact sync's step, slower than the link says (it waited for a peer): the step's own sync.
+    assert Elastic._sum_seconds(loop(4.0, slow, 0)) == 4.0
+    assert Elastic._sum_seconds(loop(0.3, None, 0)) == 0.3  # no link measured (a mode set by the config)
