@@ -66,9 +66,11 @@ def fit_elastic(
     actors: dict[str, Any] = {}
 
     def start(name: str, node_id: str | None, join: bool) -> None:
-        interface = (paths or {}).get(node_id) if node_id else None
-        if join and paths and node_id is not None:
-            interface = gloo_path.newcomer(paths, gloo_path.nodes_net([node_id], timeout_s=FIRST_DEADLINE_S)[0])
+        interface = None
+        if paths and node_id is not None:
+            interface = paths.get(node_id)
+            if interface is None:  # a Mac that comes later: its interface on the run's network
+                interface = gloo_path.newcomer(paths, gloo_path.nodes_net([node_id], FIRST_DEADLINE_S)[0])
             if interface is None:
                 logger.warning("worker %s: its Mac is not on the network the run's gradient sync binds", name)
         options = _placement(node_id, on_cluster, count)

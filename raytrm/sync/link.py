@@ -234,11 +234,9 @@ def choose(
         share = share_of(every, tau)
         return Choice("local", every, tau, share, f"{said}; local rounds of H={every} (set) wait {share:.1%}")
 
-    def steps(tau: int) -> int:
-        return max(fewest_steps(link, step_s, model_bytes, tau, target, late), ratio * tau)
-
-    tau = min(options, key=lambda t: (share_of(steps(t), t), steps(t), t))
-    h = steps(tau)
+    steps = {t: max(fewest_steps(link, step_s, model_bytes, t, target, late), ratio * t) for t in options}
+    tau = min(options, key=lambda t: (share_of(steps[t], t), steps[t], t))
+    h = steps[tau]
     if h > max_every:
         h, tau = max_every, min(tau, max_every // ratio, max_every - 1)
         share = share_of(h, tau)
