@@ -141,6 +141,10 @@ class SyncStrategy:
             return
         if not self.choosing:
             train = self.train
+            if train.sync_mode == "local":
+                # Rounds set by hand: a step's own sync says nothing of the round's sum (an inner step sums nothing),
+                # yet the report and an elastic run's deadline need what the sum costs.
+                self.link, _ = measure_link(self.sync, self.replica.device, self.model_bytes, clock=self.clock)
             self._enter(train.sync_mode, train.sync_every, train.sync_overlap or 0)
             self._record(Choice(self.mode.name, self.every, self.overlap, None, "set by training.sync_mode"))
             return

@@ -244,6 +244,24 @@ def test_a_drifting_share_measures_again_and_chooses_again(tiny, monkeypatch):
     trainer.close()
 
 
+@pytest.mark.parametrize(("mode", "every", "measured"), [("local", 4, True), ("exact", None, False)])
+def test_rounds_set_by_hand_measure_the_link_their_sum_crosses(tiny, mode, every, measured):
+    # An inner step of a round set by hand sums nothing, so the run measures what the round's sum costs (the report
+    # shows it; an elastic run's deadline is drawn from it). Exact sync's steps time their own sums.
+    clock = FakeClock()
+    link = Link(0.002, 30 * MBIT)
+    trainer = Trainer(tiny(training={"sync_mode": mode, "sync_every": every}), sync=MirroredSync(link, clock))
+    scripted_steps(trainer, 0.5, clock)
+    choices = _run(trainer, [], steps=2)
+    assert [(c["mode"], c["every"], c["reason"]) for c in choices] == [(mode, every, "set by training.sync_mode")]
+    if measured:
+        assert trainer.strategy.link.bytes_per_s == pytest.approx(link.bytes_per_s, rel=1e-3)
+        assert choices[0]["link"]["mbit_s"] == pytest.approx(30, rel=1e-3)
+    else:
+        assert trainer.strategy.link is None and "link" not in choices[0]
+    trainer.close()
+
+
 class LateOther(MirroredSync):
     """The other worker is `late` s slower than this one on odd steps and as much faster on even ones: each exact sum
     of an odd step waits for it, and the gathered step times (CHECK_EVERY of them) show its."""

@@ -109,4 +109,4 @@ def test_the_measured_deadline_covers_a_rounds_sum_though_its_inner_steps_sum_no
     assert deadline_s(Elastic._sum_seconds(loop(0.0, slow, 2)), 2.5) > 3 * (3.4 + 5.0 + 2.5)
     # Exact sync's step, slower than the link says (it waited for a peer): the step's own sync.
     assert Elastic._sum_seconds(loop(4.0, slow, 0)) == 4.0
-    assert Elastic._sum_seconds(loop(0.3, None, 0)) == 0.3  # no link measured (a mode set by the config)
+    assert Elastic._sum_seconds(loop(0.3, None, 0)) == 0.3  # no link measured (exact sync set by the config)
