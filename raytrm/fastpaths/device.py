@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from raytrm.hardware import device as devices
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 #: Half-precision dtypes, which the GPU backends take.
 HALF = (torch.bfloat16, torch.float16)
@@ -32,7 +36,15 @@ def capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-@torch.compiler.assume_constant_result
+def constant_under_compile(fn: F) -> F:
+    """`torch.compiler.assume_constant_result`, without importing torch's compiler, which that function does first:
+    a second of every process's start (each Ray worker and trial) that never compiles. The mark is the attribute
+    dynamo's own decorator sets; the fast paths' fullgraph tests fail should it change."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@constant_under_compile
 def tma_device(device: torch.device) -> bool:
     """Whether a CUDA device copies tiles with TMA (TMA_CAPABILITY or later). A device's capability is fixed, so
     torch.compile, which meets this while tracing, calls it there and keeps the answer as a constant: no graph
@@ -40,7 +52,7 @@ def tma_device(device: torch.device) -> bool:
     return capability(device) >= TMA_CAPABILITY
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def hopper_device(device: torch.device) -> bool:
     """Whether a CUDA device is a Hopper GPU; a constant under torch.compile, as tma_device."""
     return capability(device) == HOPPER

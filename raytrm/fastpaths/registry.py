@@ -27,6 +27,7 @@ import torch
 
 from raytrm.constants import DEFAULT_FASTPATHS, FASTPATHS_ENV, fastpaths_setting
 from raytrm.errors import UserError
+from raytrm.fastpaths.device import constant_under_compile
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def backends(name: str | None = None) -> tuple[Backend, ...]:
     return tuple(backend for group in _backends.values() for backend in group)
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def _decided(name: str, device: torch.device, backend: str | None, declined: tuple[tuple[str, str], ...]) -> bool:
     """Log a choice the first time it is made for this operation and device. A constant to torch.compile, which
     calls it while tracing: the log costs no graph break."""

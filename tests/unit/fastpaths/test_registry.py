@@ -171,3 +171,13 @@ def test_with_every_backend_off_the_model_still_trains_to_the_same_numbers(tiny,
             trainer.close()
     # On this CPU oneDNN's products and the column-block mixing sum in another order than the plain formulas.
     assert losses[False] == pytest.approx(losses[True], rel=1e-4)
+
+
+def test_a_process_that_trains_without_compiling_never_imports_torchs_compiler():
+    # torch's compiler takes about a second to import: every Ray worker and every trial process would pay it.
+    code = (
+        "import sys, raytrm.train.run.training, raytrm.distributed.ray_train, raytrm.tune.trial\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
