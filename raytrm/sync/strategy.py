@@ -144,11 +144,11 @@ class SyncStrategy:
             if train.sync_mode == "local":
                 # Rounds set by hand: a step's own sync says nothing of the round's sum (an inner step sums nothing),
                 # yet the report and an elastic run's deadline need what the sum costs.
-                self.link, _ = measure_link(self.sync, self.replica.device, self.model_bytes, clock=self.clock)
+                self._measure_link()
             self._enter(train.sync_mode, train.sync_every, train.sync_overlap or 0)
             self._record(Choice(self.mode.name, self.every, self.overlap, None, "set by training.sync_mode"))
             return
-        self.link, probe_s = measure_link(self.sync, self.replica.device, self.model_bytes, clock=self.clock)
+        probe_s = self._measure_link()
         cheap = self.train.sync_mode == "auto" and self.link.seconds(self.model_bytes) <= CHEAP_PROBE_S
         self._enter(*(("exact", None, 0) if cheap else ("local", PROBE_STEPS, 0)))
         self._decide_at = step + PROBE_STEPS
@@ -265,8 +265,12 @@ class SyncStrategy:
         if not (high or low):
             self._times = []
             return 0.0
+        return self._measure_link() + self._decide(first=False, measured=measured)  # measured, then decided
+
+    def _measure_link(self) -> float:
+        """The link measured (a collective: every rank calls it at the same point); returns the probe's seconds."""
         self.link, probe_s = measure_link(self.sync, self.replica.device, self.model_bytes, clock=self.clock)
-        return probe_s + self._decide(first=False, measured=measured)
+        return probe_s
 
     def _record(self, choice: Choice, step_s: float | None = None, measured: float | None = None) -> None:
         self.choice = choice

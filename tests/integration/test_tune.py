@@ -199,9 +199,6 @@ def test_staged_tiers_share_the_learning_curves_and_each_gets_its_own_speed_and_
             "model.L_cycles": {"type": "int", "low": 1, "high": 2},
         },
         horizon={"minutes": 0.1},
-        # Speed trials long enough that one machine's two outlast the other's first trial process starting cold (it
-        # imports torch on a loaded 2-core machine): with 1.5 s, one CI run in three saw a node finish both of its
-        # trials before the other's first began.
         budget={"warmup_s": 0.5, "measure_s": 1.5, "eval_puzzles": 16, "evaluations": 2},
     )
     out = io.StringIO()
