@@ -1,12 +1,14 @@
 """The fastest path on two real hosts joined by a slow LAN and a fast direct link (a Wi-Fi and a Thunderbolt bridge):
 `raytrm cluster paths` measures both and picks the direct link every time, the LAN once the link is down, and says in
 one line that it cannot reach the head once both are; `cluster head` + `cluster join` record the direct link for the
-gradient sync, and the sync (`cluster status --link`, Ray Train's workers and raytrm's own actors) goes through it, and
-`cluster stop` leaves nothing running; a head without its path service there, or an address nothing answers at, is one
-line."""
+gradient sync, and the sync (`cluster status --link`, Ray Train's workers and raytrm's own actors) goes through it;
+the MacBook's whole host stopped mid-run (a lid closed) costs the Studio a deadline, not a restart, and comes back into
+the run; `cluster stop` leaves nothing running; a head without its path service there, or an address nothing answers
+at, is one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,6 +18,8 @@ import time
 import pytest
 import yaml
 
+from raytrm.sync.membership import SETTLE_S
+from tests.support.elastic_training import steps_logged
 from tests.support.hosts import HostSpec, LinkSpec, Rig, cannot_make_hosts
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -105,50 +109,89 @@ def training_config(host, tmp_path) -> dict:
     return {"model": model, "data": {"path": str(data)}, "training": training}
 
 
-def test_head_and_join_record_the_direct_link_and_the_sync_goes_through_it(rig, tmp_path):
+@pytest.fixture(scope="module")
+def cluster(rig):
+    """The Studio's head and the MacBook joined to it by `raytrm cluster join` with the LAN address: (head, join)."""
     studio, mba = rig["studio"], rig["mba"]
-    head_lan, mba_tb = rig.address("studio"), rig.address("mba", "tb")
     try:
         head = studio.raytrm("cluster", "head", "--tier", HEAD_TIER, check=True)
-        assert "path service on port 6380, every interface" in head.stdout, head.stdout
-        join = mba.raytrm("cluster", "join", head_lan, "--tier", WORKER_TIER, check=True)
-        print(join.stdout)
-        assert f"the gradient sync takes the fastest: tb {mba_tb}" in join.stdout, join.stdout
-        # Ray's own address stays on the LAN, which every Mac of a cluster reaches.
-        assert f"as a node of tier {WORKER_TIER} at {rig.address('mba')}" in join.stdout, join.stdout
-
-        status = studio.raytrm("cluster", "status", "--link", check=True, timeout=300)
-        print(status.stdout)
-        assert f"(joined by the path of {mba_tb})" in status.stdout, status.stdout
-        link = re.search(
-            r"link between the 2 raytrm machines: ([\d.]+) Mbit/s .*\(gloo through (.*), as", status.stdout
-        )
-        assert link, status.stdout
-        assert link.group(2) == f"{head_lan} tb, {rig.address('mba')} tb", link.group(2)
-        assert float(link.group(1)) > 2 * 20, link.group(1)  # more than the LAN could carry
-
-        # Training on both: each worker's gloo binds the direct link, chosen before the process group started.
-        config, run = tmp_path / "config.yaml", tmp_path / "run"
-        config.write_text(yaml.safe_dump(training_config(studio, tmp_path)))
-        studio.raytrm("train", "--config", str(config), "--address", "auto", "--out", str(run), check=True, timeout=400)
-        for rank in (0, 1):
-            assert "the gradient sync goes through tb" in (run / "logs" / f"worker-{rank}.log").read_text(), rank
-        # The same through raytrm's own actors (`--elastic`), whose Macs may come and go.
-        argv = ("train", "--config", str(config), "--address", "auto", "--elastic", "--out", str(run / "elastic"))
-        studio.raytrm(*argv, check=True, timeout=400)
-        for rank in (0, 1):
-            log = (run / "elastic" / "logs" / f"worker-{rank}.log").read_text()
-            assert f"worker w0{rank}: the gradient sync goes through tb" in log, log
-
-        # A head without a path service on the port given (an older raytrm, a wrong port): one line, no node.
-        mba.raytrm("cluster", "stop", check=True)
-        older = one_line(mba.raytrm("cluster", "join", head_lan, "--tier", WORKER_TIER, "--paths-port", "6390"))
-        assert older.startswith(f"raytrm: error: {head_lan}:6390: no path service listens there ("), older
-        stopped = studio.raytrm("cluster", "stop", check=True)
-        assert stopped.stdout.strip() == "stopped this Mac's Ray node and its path service", stopped.stdout
+        yield head, mba.raytrm("cluster", "join", rig.address("studio"), "--tier", WORKER_TIER, check=True)
     finally:
+        mba.cont()
         mba.raytrm("cluster", "stop")
         studio.raytrm("cluster", "stop")
+
+
+def test_head_and_join_record_the_direct_link_and_the_sync_goes_through_it(rig, cluster, tmp_path):
+    studio, mba_tb, head_lan = rig["studio"], rig.address("mba", "tb"), rig.address("studio")
+    head, join = cluster
+    assert "path service on port 6380, every interface" in head.stdout, head.stdout
+    print(join.stdout)
+    assert f"the gradient sync takes the fastest: tb {mba_tb}" in join.stdout, join.stdout
+    # Ray's own address stays on the LAN, which every Mac of a cluster reaches.
+    assert f"as a node of tier {WORKER_TIER} at {rig.address('mba')}" in join.stdout, join.stdout
+
+    status = studio.raytrm("cluster", "status", "--link", check=True, timeout=300)
+    print(status.stdout)
+    assert f"(joined by the path of {mba_tb})" in status.stdout, status.stdout
+    link = re.search(r"link between the 2 raytrm machines: ([\d.]+) Mbit/s .*\(gloo through (.*), as", status.stdout)
+    assert link, status.stdout
+    assert link.group(2) == f"{head_lan} tb, {rig.address('mba')} tb", link.group(2)
+    assert float(link.group(1)) > 2 * 20, link.group(1)  # more than the LAN could carry
+
+    # Training on both: each worker's gloo binds the direct link, chosen before the process group started.
+    config, run = tmp_path / "config.yaml", tmp_path / "run"
+    config.write_text(yaml.safe_dump(training_config(studio, tmp_path)))
+    studio.raytrm("train", "--config", str(config), "--address", "auto", "--out", str(run), check=True, timeout=400)
+    for rank in (0, 1):
+        assert "the gradient sync goes through tb" in (run / "logs" / f"worker-{rank}.log").read_text(), rank
+
+
+#: Long enough that the Studio, alone while the MacBook is stopped, cannot finish the run before it comes back.
+ELASTIC_STEPS = 600
+
+
+def test_a_host_stopped_mid_run_costs_a_deadline_and_comes_back(rig, cluster, tmp_path):
+    """Through raytrm's own actors (`--elastic`), whose Macs may come and go, over the direct link."""
+    studio, mba = rig["studio"], rig["mba"]
+    config, run = tmp_path / "config.yaml", tmp_path / "run"
+    doc = training_config(studio, tmp_path)
+    doc["training"].update(steps=ELASTIC_STEPS, log_interval=1)
+    config.write_text(yaml.safe_dump(doc))
+    argv = ("train", "--config", str(config), "--address", "auto", "--elastic", "--out", str(run), "--quiet")
+    driver = studio.popen(sys.executable, "-m", "raytrm.cli", *argv, log=tmp_path / "driver.log")
+    end = time.monotonic() + 400
+    while steps_logged(run) < 25 and driver.poll() is None and time.monotonic() < end:
+        time.sleep(0.5)  # past step 10, where the deadline is taken from the measured steps
+    assert driver.poll() is None, (tmp_path / "driver.log").read_text()
+    mba.stop()
+    time.sleep(10)  # under Ray's health checks: the node stays in the cluster, its worker stays alive
+    mba.cont()
+    assert driver.wait(timeout=600) == 0, (tmp_path / "driver.log").read_text()
+    for rank in (0, 1):
+        log = (run / "logs" / f"worker-{rank}.log").read_text()
+        assert f"worker w0{rank}: the gradient sync goes through tb" in log, log
+    summary = json.loads((run / "summary.json").read_text())
+    changes = summary["membership"]
+    print(json.dumps(changes, indent=1))
+    left = [c for c in changes if c["left"] == ["w01"]]
+    entered = [c for c in changes if c["entered"] == ["w01"]]
+    assert summary["steps"] == ELASTIC_STEPS
+    assert left and entered and left[0]["step"] <= entered[0]["step"]
+    assert left[0]["waited_s"] < left[0]["deadline_s"] + 10  # the measured deadline, not the first 60 s
+    # the next membership within its settling time and some seconds: here 2.0 s in some runs, 8.0 s in others,
+    # 6 s of the latter not yet traced
+    assert left[0]["seconds"] < SETTLE_S + 8
+
+
+def test_a_head_without_its_path_service_is_one_line_and_stop_leaves_nothing_running(rig, cluster):
+    studio, mba, head_lan = rig["studio"], rig["mba"], rig.address("studio")
+    # A head without a path service on the port given (an older raytrm, a wrong port): one line, no node.
+    mba.raytrm("cluster", "stop", check=True)
+    older = one_line(mba.raytrm("cluster", "join", head_lan, "--tier", WORKER_TIER, "--paths-port", "6390"))
+    assert older.startswith(f"raytrm: error: {head_lan}:6390: no path service listens there ("), older
+    stopped = studio.raytrm("cluster", "stop", check=True)
+    assert stopped.stdout.strip() == "stopped this Mac's Ray node and its path service", stopped.stdout
     assert not services(studio) and not (studio.root / "ray" / "raytrm_paths.pid").exists()
 
 
