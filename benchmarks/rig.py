@@ -65,8 +65,9 @@ class RigRun:
     shares: list[int] = field(default_factory=list)
     idle: float | None = None  # the fastest worker's idle share of a round (see fastest_idle)
     sync_share: float | None = None  # the run's share of a step spent in the sync (its wait for the others too)
-    studio_worker_cores: float | None = None  # the Studio's cores over the run's steady steps: its worker's,
-    studio_other_cores: float | None = None  # and every other process's (Ray's, Ray Train's, the driver)
+    #: Each host's cores over the run's steady steps: its worker's, and every other process's (Ray's daemons, Ray
+    #: Train's actors, the driver), by host name.
+    cores: dict[str, dict[str, float]] = field(default_factory=dict)
     load: float = 0.0
     error: str = ""
 
@@ -107,12 +108,13 @@ def _run(rig: Rig, r: int, host: str, rate: str, mode: str, model: LinkModel, ru
     driver = rig["studio"] if host == "all" else rig[host]
     run_dir = runs_dir / f"{host}-{rate}-{mode.replace(':', '').replace('/', '-')}-{r}"
     try:
-        watch = CpuWatch(driver, run_dir, model.warmup + 1, model.steps - 2) if host == "all" else None
+        watch = (
+            CpuWatch(list(rig.hosts.values()), run_dir, model.warmup + 1, model.steps - 2) if host == "all" else None
+        )
         with watch or contextlib.nullcontext():
             figures = train_on(driver, rig_experiment(model, mode if host == "all" else None), model, run_dir, *flags)
         cores = watch.cores() if watch is not None else None
-        if cores is not None:
-            run.studio_worker_cores, run.studio_other_cores = cores.worker, cores.others
+        run.cores = {name: asdict(used) for name, used in (cores or {}).items()}
         run.samples_per_sec, run.quality = figures["samples_per_sec"], figures["quality"]
         run.chosen, run.reason = figures["chosen"], figures["reason"]
         run.shares = _shares(run_dir)
@@ -156,9 +158,9 @@ def _line(run: RigRun) -> str:
     shares = f", shares {run.shares}" if run.shares else ""
     figures = f", the fastest idle {run.idle:.1%} of a round" if run.idle is not None else ""
     figures += f", sync {run.sync_share:.1%} of a step" if run.sync_share is not None else ""
-    if run.studio_worker_cores is not None:
-        cores = f"its worker {run.studio_worker_cores:.3f}, the rest {run.studio_other_cores:.3f}"
-        figures += f", the Studio's cores: {cores}"
+    if run.cores:
+        used = (f"{name} {c['worker']:.3f} + {c['others']:.3f}" for name, c in run.cores.items())
+        figures += f", cores (its worker + the rest): {', '.join(used)}"
     return (
         f"{where}: {run.samples_per_sec:.2f} samples/s{shares}{figures}, quality {run.quality} (load {run.load:.1f})"
         f"{chose}"

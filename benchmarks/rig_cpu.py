@@ -1,13 +1,14 @@
-"""Where a rig host's cores go during a run: every process of the host sampled from /proc as the run passes two steps,
-and the cores each used in between, the training worker's apart from everything else (Ray's daemons, Ray Train's
-actors, the driver). On a host with a quota of 0.8 of a core, Ray's fixed processes are a large share of it; on a
-Mac with 8 to 24 cores the same processes are a small one, so the bench says how much they took."""
+"""Where the rig hosts' cores go during a run: every process of each host sampled from /proc as the run passes two
+steps, and the cores each used in between, the training worker's apart from everything else (Ray's daemons, Ray
+Train's actors, the driver). On a host with a quota of 0.4 or 0.8 of a core, Ray's fixed processes are a large share
+of it; on a Mac with 8 to 24 cores the same processes are a small one, so the bench says how much they took."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,12 +38,15 @@ class HostCores:
     others: float
 
 
-class CpuWatch:
-    """Samples host's processes when the run in run_dir logs step `first` and step `last` (a thread)."""
+Sample = dict[str, dict[int, tuple[float, str] | None]]  # each host's processes: CPU seconds and command line
 
-    def __init__(self, host: Host, run_dir: Path, first: int, last: int) -> None:
-        self.host, self.run_dir, self.first, self.last = host, run_dir, first, last
-        self._marks: dict[int, tuple[float, dict[int, tuple[float, str] | None]]] = {}
+
+class CpuWatch:
+    """Samples the hosts' processes when the run in run_dir logs step `first` and step `last` (a thread)."""
+
+    def __init__(self, hosts: Sequence[Host], run_dir: Path, first: int, last: int) -> None:
+        self.hosts, self.run_dir, self.first, self.last = list(hosts), run_dir, first, last
+        self._marks: dict[int, tuple[float, Sample]] = {}
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -59,18 +63,23 @@ class CpuWatch:
             logged = steps_logged(self.run_dir)
             for step in (self.first, self.last):
                 if logged >= step and step not in self._marks:
-                    self._marks[step] = (time.monotonic(), {p: _cpu(p) for p in self.host.pids()})
+                    now = time.monotonic()
+                    self._marks[step] = (now, {h.name: {p: _cpu(p) for p in h.pids()} for h in self.hosts})
             time.sleep(0.5)
 
-    def cores(self) -> HostCores | None:
-        """The cores used between the two steps, None where the run did not pass both."""
+    def cores(self) -> dict[str, HostCores] | None:
+        """Each host's cores used between the two steps (by name), None where the run did not pass both. A process
+        that started or ended in between is left out."""
         if self.first not in self._marks or self.last not in self._marks:
             return None
         (t0, before), (t1, after) = self._marks[self.first], self._marks[self.last]
-        used: list[tuple[str, float]] = []
-        for pid, now in after.items():
-            then = before.get(pid)
-            if now is not None and then is not None:
-                used.append((now[1], (now[0] - then[0]) / (t1 - t0)))
-        worker = sum(c for command, c in used if command.startswith(WORKERS))
-        return HostCores(worker, sum(c for _, c in used) - worker)
+        found = {}
+        for name, processes in after.items():
+            used: list[tuple[str, float]] = []
+            for pid, now in processes.items():
+                then = before[name].get(pid)
+                if now is not None and then is not None:
+                    used.append((now[1], (now[0] - then[0]) / (t1 - t0)))
+            worker = sum(c for command, c in used if command.startswith(WORKERS))
+            found[name] = HostCores(worker, sum(c for _, c in used) - worker)
+        return found

@@ -118,30 +118,44 @@ def test_the_two_path_summary_counts_trials_choosing_the_direct_link_and_pairs_r
     assert "trial 2 lan: FAILED: boom" in text, text
 
 
-def test_the_studios_cores_between_two_steps_split_into_its_worker_and_the_rest(tmp_path, monkeypatch):
+def test_each_hosts_cores_between_two_steps_split_into_its_worker_and_the_rest(tmp_path, monkeypatch):
     from benchmarks import rig_cpu
 
     steps = iter([3, 5, 12])  # what the run has logged at each look
-    samples = iter(
-        [
-            {10: (100.0, "ray::RayTrainWorker"), 11: (50.0, "gcs_server --log_dir"), 12: (7.0, "ray::IDLE")},
-            {10: (108.0, "ray::RayTrainWorker"), 11: (51.0, "gcs_server --log_dir"), 13: (1.0, "ray::IDLE")},
-        ]
-    )
+    looks = {  # each host's processes at the two looks: CPU seconds and command line
+        "studio": iter(
+            [
+                {10: (100.0, "ray::RayTrainWorker"), 11: (50.0, "gcs_server --log_dir"), 12: (7.0, "ray::IDLE")},
+                {10: (108.0, "ray::RayTrainWorker"), 11: (51.0, "gcs_server --log_dir"), 13: (1.0, "ray::IDLE")},
+            ]
+        ),
+        "mba": iter(
+            [
+                {20: (30.0, "ray::ElasticWorker.run"), 21: (5.0, "raylet")},
+                {20: (33.5, "ray::ElasticWorker.run"), 21: (5.5, "raylet")},
+            ]
+        ),
+    }
     clock = iter([0.0, 10.0])
+    now: dict[str, dict[int, tuple[float, str]]] = {}  # each host's processes at its latest look
 
     class Host:
-        def pids(self):
-            self.now = next(samples)
-            return list(self.now)
+        def __init__(self, name):
+            self.name = name
 
-    host = Host()
+        def pids(self):
+            now[self.name] = next(looks[self.name])
+            return list(now[self.name])
+
     monkeypatch.setattr(rig_cpu, "steps_logged", lambda run_dir: next(steps))
-    monkeypatch.setattr(rig_cpu, "_cpu", lambda pid: host.now[pid])
+    monkeypatch.setattr(rig_cpu, "_cpu", lambda pid: {**now["studio"], **now.get("mba", {})}[pid])
     monkeypatch.setattr(rig_cpu.time, "monotonic", lambda: next(clock))
     monkeypatch.setattr(rig_cpu.time, "sleep", lambda s: None)
-    with rig_cpu.CpuWatch(host, tmp_path, first=5, last=10) as watch:
+    with rig_cpu.CpuWatch([Host("studio"), Host("mba")], tmp_path, first=5, last=10) as watch:
         watch._thread.join(timeout=5)
     cores = watch.cores()
-    # Between the two looks: the worker 8 s of CPU in 10 s, the GCS 1 s; a process gone or new is left out.
-    assert math.isclose(cores.worker, 0.8) and math.isclose(cores.others, 0.1)
+    # Between the two looks: the Studio's worker 8 s of CPU in 10 s, the GCS 1 s (a process gone or new is left
+    # out); the MacBook's elastic worker 3.5 s, its raylet 0.5 s.
+    assert set(cores) == {"studio", "mba"}
+    assert math.isclose(cores["studio"].worker, 0.8) and math.isclose(cores["studio"].others, 0.1)
+    assert math.isclose(cores["mba"].worker, 0.35) and math.isclose(cores["mba"].others, 0.05)
