@@ -14,8 +14,9 @@ The hosts are tests.support.rig's namespaces on one LAN, a Studio and two MacBoo
 A row's figure is the run's samples/s over the sum of the round's solo rates (the issue's goal: 0.90 unshaped,
 0.85 at 100 Mbit/s, 0.80 at 20 Mbit/s), and over the sum side by side (what distribution itself costs: Ray, the
 sync, the shares); with several rounds, the medians of the rounds' ratios. A row also gives the fastest worker's
-idle share of a round (its wait for the slowest, benchmarks.rig.fastest_idle). Every worker and
-every solo run trains on one thread, the quota's worth of one core at most.
+idle share of a round (its wait for the slowest, benchmarks.rig.fastest_idle), and a run's line each host's cores,
+its worker's and the rest (benchmarks.rig_cpu). Every worker and every solo run trains on one thread, the quota's
+worth of one core at most.
 """
 
 from __future__ import annotations
