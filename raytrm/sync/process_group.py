@@ -8,6 +8,7 @@ worker sends the sum of its gradients, less only the residual it holds at the en
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import logging
 import time
@@ -149,7 +150,9 @@ class ProcessGroupSync:
             self._sums[key] = [Flat(group, self.comm_device) for group in _groups(list(tensors), self.bucket_bytes)]
         if self._bulk is None:  # every rank is here at the same point: a collective
             ranks = None if self.group is None else self.dist.get_process_group_ranks(self.group)
-            self._bulk = self.dist.new_group(ranks=ranks)
+            # Bounded as the group's own collectives are (torch would give it its 30-minute default): a peer asleep
+            # while a round's sum travels costs the others the run's deadline, not half an hour.
+            self._bulk = self.dist.new_group(ranks=ranks, timeout=self._timeout(self.group))
         return TensorSum(self, self._sums[key], self._bulk)
 
     def overlapped(self, params: Sequence[torch.nn.Parameter]) -> OverlappedBuckets | None:
@@ -219,7 +222,25 @@ class ProcessGroupSync:
         self.dist.broadcast_object_list(box, src=src, group=self.group, device=self.comm_device)
         return box[0]
 
-    # -- membership --------------------------------------------------------------------------------------------------
+    # -- deadlines and membership ------------------------------------------------------------------------------------
+
+    def _timeout(self, group: Any) -> datetime.timedelta | None:
+        """How long a collective of the group may take, as its backend holds it (None where torch does not say)."""
+        pg = group if group is not None else self.dist.distributed_c10d._get_default_group()
+        try:
+            return pg._get_backend(self.comm_device).options._timeout
+        except (AttributeError, RuntimeError):
+            return None
+
+    def set_timeout(self, seconds: float) -> None:
+        """Bound every collective of this sync's groups (the bulk sums' too) by `seconds` from now on: a deadline
+        measured during the run, taken on the live groups by every rank at the same boundary."""
+        from torch.distributed.distributed_c10d import _set_pg_timeout  # torch's setter of a live group's timeout
+
+        timeout = datetime.timedelta(seconds=seconds)
+        _set_pg_timeout(timeout, self.group)  # None: the default group
+        if self._bulk is not None:
+            _set_pg_timeout(timeout, self._bulk)
 
     def regrouped(self) -> None:
         """The default group was made anew for another set of workers (raytrm.sync.membership): this worker's rank

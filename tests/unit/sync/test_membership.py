@@ -86,6 +86,43 @@ def test_a_transfer_allowed_longer_than_the_deadline_completes_and_the_deadline_
     assert receiver == {"allowed": 7.0, "after": "lost"}
 
 
+def _a_sum_one_peer_skips(rank: int, world_size: int, device, retime_s: float | None) -> dict[str, object]:
+    """A round's sum (ProcessGroupSync.sum_tensors, in the group made for bulk sums) that rank 1 never joins, in a run
+    whose deadline is 1 s (or retime_s, set on the live groups after the bulk group was made): how long rank 0 waited
+    and whether it took rank 1 for lost."""
+    import torch
+
+    from raytrm.sync.process_group import ProcessGroupSync
+
+    with Membership(None, f"w{rank}", deadline=1.0).allowing(0.0):  # the default group's collectives: 1 s from here
+        pass
+    sync = ProcessGroupSync(torch.device("cpu"))
+    deltas = [torch.ones(1000)]
+    sync.sum_tensors(deltas).wait()  # both: the bulk group made, a first round summed
+    if retime_s is not None:
+        sync.set_timeout(retime_s)
+    if rank == 1:  # asleep for the next round
+        time.sleep(3 + (retime_s or 0))
+        return {}
+    begin = time.monotonic()
+    try:
+        sync.sum_tensors(deltas).wait()
+    except RuntimeError as error:
+        return {"waited": time.monotonic() - begin, "lost": is_peer_lost(error), "summed": float(deltas[0][0])}
+    return {"waited": time.monotonic() - begin, "lost": False}
+
+
+@pytest.mark.slow  # two processes and their gloo group
+@pytest.mark.parametrize("retime_s", [None, 2.5])
+def test_a_rounds_sum_a_peer_never_joins_gives_up_at_the_runs_deadline(retime_s):
+    from raytrm.distributed.launch import spawn
+
+    waiter, _ = spawn(_a_sum_one_peer_skips, 2, retime_s, timeout_s=120)
+    deadline = retime_s or 1.0
+    assert waiter["lost"]  # not torch's 30-minute default for a group made beside the run's
+    assert deadline - 0.1 <= waiter["waited"] < deadline + 1.0
+
+
 def test_gloo_words_for_a_lost_peer_are_recognised():
     assert is_peer_lost(RuntimeError("[gloo/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation"))
     assert is_peer_lost(RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:7557"))
