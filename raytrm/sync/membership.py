@@ -59,6 +59,26 @@ def deadline_s(sum_s: float, step_s: float) -> float:
     return max(MIN_DEADLINE_S, DEADLINE_GRACE * (sum_s + step_s))
 
 
+def group_timeout(group: Any = None, device: Any = None) -> datetime.timedelta | None:
+    """How long a collective of the process group (None: the default group) may take, as its backend for `device`
+    (the CPU's by default) holds it; None where torch does not say."""
+    import torch
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    pg = group if group is not None else _get_default_group()
+    try:
+        return pg._get_backend(device if device is not None else torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def set_group_timeout(seconds: float, group: Any = None) -> None:
+    """Bound every collective of the live process group (None: the default group) by `seconds` from now on."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout  # torch's setter of a live group's timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
 class PeerLost(RuntimeError):
     """A collective of the current epoch failed: a peer missed the deadline or left."""
 
@@ -261,13 +281,11 @@ class Membership:
         """The current group's collectives bounded by `seconds` (never less than the deadline) inside the block, by
         the deadline again after it: for a transfer the deadline was not measured for (a state many times the
         gradient's size), which would otherwise fail at every membership and the next would try it again."""
-        from torch.distributed.distributed_c10d import _set_pg_timeout  # torch's setter of a live group's timeout
-
-        _set_pg_timeout(datetime.timedelta(seconds=max(seconds, self.deadline)))
+        set_group_timeout(max(seconds, self.deadline))
         try:
             yield
         finally:
-            _set_pg_timeout(datetime.timedelta(seconds=self.deadline))
+            set_group_timeout(self.deadline)
 
     def source(self, progress: int) -> tuple[int, bool]:
         """After an epoch forms (a collective of its group): the rank whose state every member takes, the one

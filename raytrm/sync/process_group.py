@@ -8,7 +8,6 @@ worker sends the sum of its gradients, less only the residual it holds at the en
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import logging
 import time
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from raytrm.hardware import device as devices
+from raytrm.sync.membership import group_timeout, set_group_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class ProcessGroupSync:
             ranks = None if self.group is None else self.dist.get_process_group_ranks(self.group)
             # Bounded as the group's own collectives are (torch would give it its 30-minute default): a peer asleep
             # while a round's sum travels costs the others the run's deadline, not half an hour.
-            self._bulk = self.dist.new_group(ranks=ranks, timeout=self._timeout(self.group))
+            self._bulk = self.dist.new_group(ranks=ranks, timeout=group_timeout(self.group, self.comm_device))
         return TensorSum(self, self._sums[key], self._bulk)
 
     def overlapped(self, params: Sequence[torch.nn.Parameter]) -> OverlappedBuckets | None:
@@ -224,23 +224,12 @@ class ProcessGroupSync:
 
     # -- deadlines and membership ------------------------------------------------------------------------------------
 
-    def _timeout(self, group: Any) -> datetime.timedelta | None:
-        """How long a collective of the group may take, as its backend holds it (None where torch does not say)."""
-        pg = group if group is not None else self.dist.distributed_c10d._get_default_group()
-        try:
-            return pg._get_backend(self.comm_device).options._timeout
-        except (AttributeError, RuntimeError):
-            return None
-
     def set_timeout(self, seconds: float) -> None:
         """Bound every collective of this sync's groups (the bulk sums' too) by `seconds` from now on: a deadline
         measured during the run, taken on the live groups by every rank at the same boundary."""
-        from torch.distributed.distributed_c10d import _set_pg_timeout  # torch's setter of a live group's timeout
-
-        timeout = datetime.timedelta(seconds=seconds)
-        _set_pg_timeout(timeout, self.group)  # None: the default group
+        set_group_timeout(seconds, self.group)  # None: the default group
         if self._bulk is not None:
-            _set_pg_timeout(timeout, self._bulk)
+            set_group_timeout(seconds, self._bulk)
 
     def regrouped(self) -> None:
         """The default group was made anew for another set of workers (raytrm.sync.membership): this worker's rank

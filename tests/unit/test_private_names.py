@@ -22,7 +22,8 @@ ALLOWED = {
     "under torch._dynamo and torch._functorch",
     "raytrm/fastpaths/onednn.py": "oneDNN's packed linear is an internal op of torch (inductor's own)",
     "raytrm/fastpaths/cublaslt.py": "cuBLASLt needs the raw CUDA stream, which torch exposes only in torch._C",
-    "raytrm/sync/membership.py": "torch sets a live process group's timeout only through a private setter",
+    "raytrm/sync/membership.py": "torch sets a live process group's timeout only through a private setter, and "
+    "says a group's timeout only in its backend's private options",
 }
 LIBRARIES = ("torch", "ray", "optuna")
 
