@@ -65,6 +65,15 @@ def split(total: int, weights: Sequence[float], caps: Sequence[int | None] | Non
     return shares
 
 
+def by_pace(total: int, paces: Sequence[float]) -> list[int]:
+    """Shares in proportion to each worker's speed, 1 / its seconds per sample (`paces`); a worker not timed yet
+    (NaN: a newcomer) counts as the mean speed of those timed, and with none timed the split is even."""
+    speeds = [1 / p if math.isfinite(p) and p > 0 else math.nan for p in paces]
+    timed = [s for s in speeds if not math.isnan(s)]
+    mean = sum(timed) / len(timed) if timed else 1.0
+    return split(total, [mean if math.isnan(s) else s for s in speeds])
+
+
 def offsets(shares: Sequence[int]) -> list[int]:
     """Where each worker's slots begin in the global batch."""
     return [0, *itertools.accumulate(shares)][:-1]

@@ -1,38 +1,42 @@
 """A run whose workers come and go: the loop's side of raytrm.sync.membership.
 
-When a collective of a step fails because a peer missed its deadline or left (`lost`), or when the members agree at
-a boundary that a worker waits to join (`joins_waiting`), the loop calls `recover`, which:
+At every boundary where the members look (`boundary`), rank 0 reads the join requests and, once the run has measured
+a step, the collectives' deadline it implies: the grace times a step's sum and compute (the sum: the model's over the
+measured link and the steps a round's sum travels behind, where longer than the step's own). A new deadline, far from
+the one the run started with, is set on the live groups: the same workers go on, with no new membership.
 
-1. forms the next membership (`Membership.regroup`; a worker the others left behind joins again, `join`), whose
-   collectives' deadline is the grace times a step's sum and compute as the run measured them (the sum: the model's
-   over the measured link and the steps a round's sum travels behind, where longer than the step's own; set at the
-   first boundary where the members look for joiners, when it is far from the deadline the run started with);
+When a collective of a step fails because a peer missed its deadline or left (`lost`), or when the members agree at
+a boundary that a worker waits to join, the loop calls `recover`, which:
+
+1. forms the next membership (`Membership.regroup`; a worker the others left behind joins again, `join`);
 2. has the sync read its rank and its group's size again (`regrouped`);
 3. gives every member the state of the member furthest along (the model or what trains of it, the optimizers, the
    EMA, the step, the samples seen, the RNG states): a newcomer, a worker back from sleep and a worker whose last
    collective failed where the others' completed all continue from the same weights, taken from a live peer. The
    state is several times the gradient's bytes: its transfer gets the deadline once for each gradient's worth per
    member, not one deadline, which on a slow link it would miss at every membership;
-4. splits the global batch evenly over the new set (the peers' balancer refits it from their next steps) and starts
-   every slot's carry afresh (TRM's halting state of the slots a lost worker held left with it);
+4. splits the global batch over the new set by each member's own pace (its seconds per sample over its latest
+   steps; a newcomer counts as the mean of the others), which the peers' balancer refits from their next steps, and
+   starts every slot's carry afresh (TRM's halting state of the slots a lost worker held left with it);
 5. builds the sync strategy anew over the new set, so the mode is chosen again for it (`auto`), and tells the hooks
    (`on_regroup`: per-worker state such as the peers' rows is made again).
 
 It returns the `membership` event (rank 0's): the step, the epoch, its members, who left and who entered, the seconds
 waited before the change (since the last step's end: the step that failed and its collective's deadline) and the
-seconds the change took, which the metrics log shows.
+seconds the change took, which the metrics log shows. A new deadline is a `deadline` event.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from raytrm.sync.membership import Dropped, Membership, PeerLost, deadline_s, is_peer_lost
-from raytrm.sync.shares import shard, split
+from raytrm.sync.shares import by_pace, shard
 from raytrm.sync.strategy import SyncStrategy
 from raytrm.train import trainer_state
 
@@ -50,8 +54,6 @@ class Elastic:
         self.changes: list[dict[str, Any]] = []
         #: The deadline was set from a measured step (once, at the first boundary the members look).
         self.timed = False
-        #: Rank 0 published a new deadline at this boundary: the next membership is formed for it.
-        self.retiming = False
 
     def enter(self, trainer: Any, sync_factory: Any) -> None:
         """A worker that was not in the run (new, or started again after it left): ask to join, wait until the
@@ -79,20 +81,40 @@ class Elastic:
     def lost(self, error: BaseException) -> bool:
         return isinstance(error, PeerLost) or is_peer_lost(error)
 
-    def joins_waiting(self, loop: Any) -> bool:
-        """Whether the members should form the next membership at this boundary, as rank 0 sees it (the loop agrees
-        the answer among them): a worker asked to join, or, once, the run has measured a step and the deadline the
-        run started with is far from the one it implies (published for the next group to take)."""
-        if loop.trainer.sync.rank != 0:
-            return False
-        due = self.membership.pending_joins() > 0
+    def boundary(self, loop: Any) -> list[dict[str, Any]]:
+        """At a boundary where the members look (every member at the same step): rank 0 reads the join requests and,
+        until the run has measured a step near its deadline, the deadline that step implies; one sum tells every
+        member. A new deadline is taken on the live groups (the same workers go on, no new membership); a join
+        request forms the next membership. Returns the events to log."""
+        sync = loop.trainer.sync
+        joins, deadline = self._news(loop) if sync.rank == 0 else (0.0, 0.0)
+        joins, deadline = sync.sum_floats([joins, deadline])
+        events = self._retime(loop, deadline) if deadline > 0 else []
+        return events + self.recover(loop) if joins > 0 else events
+
+    def _news(self, loop: Any) -> tuple[float, float]:
+        """Rank 0's: the join requests waiting, and a new deadline (0: none), published for the epochs to come."""
+        joins, deadline = float(self.membership.pending_joins()), 0.0
         if not self.timed and loop.last_step is not None:
-            result = loop.last_step.result
-            measured = deadline_s(self._sum_seconds(loop), result.compute_seconds)
+            measured = deadline_s(self._sum_seconds(loop), loop.last_step.result.compute_seconds)
             if abs(measured - self.membership.deadline) > 0.5 * self.membership.deadline:
                 self.membership.publish_deadline(measured)
-                due = self.retiming = True
-        return due
+                deadline = measured
+        return joins, deadline
+
+    def _retime(self, loop: Any, seconds: float) -> list[dict[str, Any]]:
+        """Every collective of the live groups bounded by the new deadline from now on; the event (rank 0's)."""
+        before, self.membership.deadline, self.timed = self.membership.deadline, seconds, True
+        trainer = loop.trainer
+        trainer.sync.set_timeout(seconds)
+        if trainer.sync.rank != 0:
+            return []
+        logger.info(
+            "step %d: collectives' deadline %.1f s -> %.1f s, from the measured step", trainer.step, before, seconds
+        )
+        return [
+            {"event": "deadline", "step": trainer.step, "deadline_s": round(seconds, 3), "from_s": round(before, 3)}
+        ]
 
     @staticmethod
     def _sum_seconds(loop: Any) -> float:
@@ -145,12 +167,10 @@ class Elastic:
         if trainer.sync.rank == 0:
             moves = (("left", view.left), ("entered", view.admitted))
             why = "; ".join(f"{what}: {', '.join(names)}" for what, names in moves if names)
-            if not why:  # the same workers: formed again for the deadline the measured step implies, or after a failure
-                retimed = f"the deadline now {self.membership.deadline:.1f} s, from the measured step"
-                why = retimed if self.retiming else "the same workers, after a collective failed"
+            if not why:
+                why = "the same workers, after a collective failed"
             log = logger.warning if view.left or view.admitted else logger.info
             log("workers: %s at step %d (%s), %.1f s", ", ".join(view.members), trainer.step, why, event["seconds"])
-        self.retiming = False
         return [event] if trainer.sync.rank == 0 else []
 
     def _take_furthest_state(self, trainer: Any, newcomer: bool) -> None:
@@ -162,7 +182,10 @@ class Elastic:
         gradient = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
         with self.membership.allowing(self.membership.deadline * sync.world_size * nbytes / max(gradient, 1)):
             blob = sync.broadcast_object(blob, src=source)
-        trainer.shares = split(trainer.global_batch, [1.0] * sync.world_size)
+        # Each member's own pace (a newcomer has none yet): the shares that would keep them in step, as the peers'
+        # balancer would have found them again after a few rounds.
+        pace = trainer.pace
+        trainer.shares = by_pace(trainer.global_batch, [row[0] for row in sync.gather_floats([pace or math.nan])])
         trainer.shard = shard(trainer.shares, sync.rank)
         trainer.cut.set(trainer.micro_batch, trainer.local_batch)
         if sync.rank == source:  # its own state: only the carry of its slots starts afresh, as everyone's does

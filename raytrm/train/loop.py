@@ -145,7 +145,7 @@ class Regroup(Protocol):
     """What the loop asks of a run whose workers come and go (raytrm.train.elastic.Elastic)."""
 
     def lost(self, error: BaseException) -> bool: ...
-    def joins_waiting(self, loop: Loop) -> bool: ...
+    def boundary(self, loop: Loop) -> list[dict[str, Any]]: ...
     def recover(self, loop: Loop) -> list[dict[str, Any]]: ...
 
 
@@ -276,8 +276,8 @@ class Loop:
         # A boundary that crossed a multiple of ADMIT_EVERY (local rounds end every H steps): the same on every rank.
         step, rounds = self.trainer.step, self.trainer.strategy.every or 1
         due = regroup is not None and self.exchanging and step // ADMIT_EVERY > max(0, step - rounds) // ADMIT_EVERY
-        if due and self.agreed(regroup.joins_waiting(self)):  # every member asks at the same step
-            self._membership_events += regroup.recover(self)
+        if due:  # every member looks at the same step
+            self._membership_events += regroup.boundary(self)
 
     def _stopping(self) -> bool:
         if self.stop_reason is None:

@@ -19,10 +19,12 @@ Trainer; it never reaches into it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,6 +53,8 @@ from raytrm.train.resources import ResourceSampler
 from raytrm.train.torch_threads import apply_threads
 
 logger = logging.getLogger(__name__)
+
+PACE_STEPS = 8  # the latest steps a worker's pace (seconds per sample) is the median of
 
 
 @dataclasses.dataclass
@@ -118,6 +122,9 @@ class Trainer:
         #: The cut of this worker's share into micro-batches, in samples or in padded tokens (`cut.unit`).
         self.cut = MicroBatches(self.local_batch, train.micro_batch, self.task.cut_width)
         self.last_compute_s = self.last_sync_s = 0.0
+        #: This worker's compute seconds per sample of its share over its latest steps (several workers): what a new
+        #: membership splits the global batch by (raytrm.train.elastic).
+        self.paces: collections.deque[float] = collections.deque(maxlen=PACE_STEPS)
         #: Measure the next optimizer step's update/weight ratio (a copy of the weights: asked for on logged steps).
         self.watch_update = False
         self.widest = False  #: run the batches at their widest (task.widest): the steps the memory governor fits on
@@ -230,6 +237,7 @@ class Trainer:
         if self.sync.world_size > 1:
             devices.synchronize_compute(self.device)  # the balancer compares workers' compute times: count queued work
             self.last_compute_s = time.perf_counter() - start
+            self.paces.append(self.last_compute_s / self.local_batch)
         reduced = self.strategy.reduce(loss, totals)
         self.last_sync_s = reduced.sync_seconds
         if reduced.overlap is not None:
@@ -280,6 +288,11 @@ class Trainer:
     def set_micro_batch(self, micro_batch: int) -> list[int]:
         """Re-cut this worker's share, micro_batch a micro-batch at most (the cut's unit); the gradient is unchanged."""
         return self.cut.set(micro_batch)
+
+    @property
+    def pace(self) -> float | None:
+        """This worker's median compute seconds per sample over its latest steps (None before its first, or alone)."""
+        return statistics.median(self.paces) if self.paces else None
 
     def set_shares(self, shares: Sequence[int]) -> None:
         """Split the following global batches anew between the workers (every rank calls it with the same shares).

@@ -13,6 +13,7 @@ from raytrm.sync.shares import (
     Rebalance,
     ShareBalancer,
     balanced,
+    by_pace,
     fit_time,
     offsets,
     shard,
@@ -34,6 +35,15 @@ from raytrm.sync.shares import (
 )
 def test_split_is_proportional_with_largest_remainders(total, weights, expected):
     assert split(total, weights) == expected
+
+
+def test_shares_by_pace_follow_each_workers_speed_and_a_newcomer_counts_as_the_mean():
+    # a Studio twice a MacBook's speed per sample
+    assert by_pace(64, [0.1, 0.2, 0.2]) == [32, 16, 16]
+    # a newcomer (not timed) counts as the timed ones' mean speed, 7.5 samples/s here
+    assert by_pace(64, [0.1, math.nan, 0.2]) == split(64, [10.0, 7.5, 5.0])
+    # none timed (the run's first membership): even
+    assert by_pace(64, [math.nan, math.nan, math.nan]) == [22, 21, 21]
 
 
 def test_split_sums_to_the_total_within_bounds():

@@ -165,9 +165,9 @@ class ScriptedRegroup:
     def lost(self, error):
         return "Timed out" in str(error)
 
-    def joins_waiting(self, loop):
+    def boundary(self, loop):
         self.asked.append(loop.trainer.step)
-        return len(self.asked) == 1
+        return self.recover(loop) if len(self.asked) == 1 else []
 
     def recover(self, loop):
         self.recovered.append(loop.trainer.step)
