@@ -83,7 +83,7 @@ class Elastic:
 
     def boundary(self, loop: Any) -> list[dict[str, Any]]:
         """At a boundary where the members look (every member at the same step): rank 0 reads the join requests and,
-        until the run has measured a step near its deadline, the deadline that step implies; one sum tells every
+        until the deadline is set from a measured step, the deadline the latest step implies; one sum tells every
         member. A new deadline is taken on the live groups (the same workers go on, no new membership); a join
         request forms the next membership. Returns the events to log."""
         sync = loop.trainer.sync
