@@ -8,6 +8,7 @@ from raytrm.fastpaths import onednn
 from raytrm.train import side_by_side as threaded
 
 
+@pytest.mark.slow
 def test_a_breakdown_finds_every_product_the_flop_counter_counts(tmp_path):
     breakdowns: list[bd.Breakdown] = []
     [row] = bench_trm(["mlp_t"], [32], 4, 2, "cpu", tmp_path, repeats=1, breakdowns=breakdowns)
@@ -55,6 +56,7 @@ def test_a_breakdown_off_the_cpu_is_refused_in_one_line():
     bd.cpu_only(torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_cli_prints_the_breakdown_and_writes_it_beside_the_rows(tmp_path, capsys):
     import json
 

@@ -9,6 +9,7 @@ import pytest
 from benchmarks.memory import bench_memory, format_rows
 
 
+@pytest.mark.slow
 def test_memory_bench_rows(tmp_path):
     rows, overhead = bench_memory([16], [16, 32], threads=1, work_dir=tmp_path)
     assert [r.micro_batch for r in rows] == [16, 32]
@@ -17,6 +18,7 @@ def test_memory_bench_rows(tmp_path):
     assert "overhead" in format_rows(rows, overhead)
 
 
+@pytest.mark.slow
 def test_checks_must_divide_the_global_batch(tmp_path):
     with pytest.raises(ValueError, match="does not divide the global batch"):
         bench_memory([16], [24, 32], threads=1, work_dir=tmp_path)

@@ -23,6 +23,7 @@ def test_flops_of_a_compiled_call_are_counted_eagerly_without_tracing_a_graph():
     assert len(traced) == 1  # outside the counter the call compiles as usual
 
 
+@pytest.mark.slow
 def test_side_by_side_rows_carry_the_first_steps_ratio_to_the_second():
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     first, second = measure_side_by_side([lambda: a @ b, lambda: (a @ b) @ b], torch.device("cpu"), torch.float32, 1, 8)
@@ -33,6 +34,7 @@ def test_side_by_side_rows_carry_the_first_steps_ratio_to_the_second():
     assert [r["ratio"] for r in alone] == [None]
 
 
+@pytest.mark.slow
 def test_the_ratio_pairs_each_round_so_a_slow_spell_does_not_fall_on_one_row():
     """The machine slows 3x from the middle of round 2 on: the first step's median catches the spell, the second's
     does not (its medians' ratio would be 20 / 30 ms), while every round's two steps, timed back to back, keep 1:2."""
@@ -58,6 +60,7 @@ def test_a_bench_row_says_compiled_only_where_every_region_ran_compiled():
     assert compiled_as_run(trainer([]), "on") == "off"  # the plan stayed eager (a CPU without a C++ compiler)
 
 
+@pytest.mark.slow
 def test_on_a_cpu_with_onednn_rows_carry_its_ceiling_beside_torch_mms(monkeypatch):
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     [row] = measure_side_by_side([lambda: a @ b], torch.device("cpu"), torch.float32, 1, 8)

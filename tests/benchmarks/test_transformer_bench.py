@@ -66,6 +66,7 @@ def test_reference_steps_lower_the_loss_of_a_batch(corpus):
     assert float(ref.loss(batch)) < before - 0.1
 
 
+@pytest.mark.slow
 def test_bench_alternates_raytrm_and_reference_rows(tmp_path):
     rows = bench_transformer([SEQ], [HIDDEN], BATCH, threads=1, device="cpu", work_dir=tmp_path, repeats=1)
     assert [r.impl for r in rows] == ["raytrm", "nanogpt"]
@@ -77,6 +78,7 @@ def test_bench_alternates_raytrm_and_reference_rows(tmp_path):
     assert "nanogpt" in format_rows(rows) and as_json(rows)[1]["impl"] == "nanogpt"
 
 
+@pytest.mark.slow
 def test_cli_no_reference_times_raytrm_alone(tmp_path, capsys):
     out = tmp_path / "rows.json"
     argv = ["transformer", "--hidden", str(HIDDEN), "--seq-lens", str(SEQ), "--batch", str(BATCH)]
@@ -87,6 +89,7 @@ def test_cli_no_reference_times_raytrm_alone(tmp_path, capsys):
     assert [r["impl"] for r in rows] == ["raytrm"] and rows[0]["ratio"] is None
 
 
+@pytest.mark.slow
 def test_cli_compile_auto_runs_what_training_runs_by_default_eager_on_a_cpu(tmp_path):
     out = tmp_path / "rows.json"
     argv = ["transformer", "--hidden", str(HIDDEN), "--seq-lens", str(SEQ), "--batch", str(BATCH)]

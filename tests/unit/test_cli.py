@@ -93,6 +93,7 @@ def test_missing_file_exits_2(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_installed_command_lists_its_commands():
     exe = _raytrm()
     out = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True).stdout
@@ -122,6 +123,7 @@ def _raytrm() -> str:
         (["--model", "transformer", "--data", "{tmp}/none.txt"], "{tmp}/none.txt: no such file or directory; fix:"),
     ],
 )
+@pytest.mark.slow
 def test_train_on_missing_data_is_one_line_before_anything_else(tmp_path, args, message):
     """Nothing about the machine (its tier, threads, device) is logged before a bad data path's error."""
     args = [a.format(tmp=tmp_path) for a in args]
@@ -279,6 +281,7 @@ def test_report_export_and_data_never_write_into_a_run(tiny, tmp_path, capsys):
     assert _files(run) == before
 
 
+@pytest.mark.slow
 def test_a_quiet_run_alone_prints_its_summary_and_nothing_else(tiny, tmp_path):
     """--quiet on one machine: no progress line and no INFO lines on the terminal, the summary on stdout."""
     from raytrm.config import write_yaml

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import ray
 
 from raytrm.cli import job_command
@@ -43,6 +44,7 @@ def test_the_head_prints_a_job_line_that_runs_raytrm_tune_on_the_cluster():
     )
 
 
+@pytest.mark.slow
 def test_the_commands_that_connect_leave_ray_unimported_until_they_do():
     """Ray reads its auth mode once, when imported: a module that imports it before connect() turns the cluster token
     off, and a driver on the head is refused by its own cluster."""

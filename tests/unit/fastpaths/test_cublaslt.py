@@ -82,6 +82,7 @@ def test_off_cuda_linear_layers_keep_their_products_and_the_operator_is_torch_mm
     assert torch.equal(a.grad, a2.grad) and torch.equal(b.grad, b2.grad)
 
 
+@pytest.mark.slow
 def test_compiled_the_differentiable_product_gives_torch_mms_values_and_gradients():
     a = torch.randn(6, 8, requires_grad=True)
     b = torch.randn(4, 8, requires_grad=True)

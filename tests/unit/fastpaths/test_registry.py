@@ -85,6 +85,7 @@ def test_the_environment_variable_is_read_as_on_or_off(monkeypatch):
         registry.fastpaths_on()
 
 
+@pytest.mark.slow
 def test_a_misspelt_switch_is_one_line_and_exit_code_2():
     env = {**os.environ, constants.FASTPATHS_ENV: "of"}
     code = "from raytrm.cli import main; raise SystemExit(main(['train', '--steps', '1', '--out', 'unused']))"
@@ -173,6 +174,7 @@ def test_with_every_backend_off_the_model_still_trains_to_the_same_numbers(tiny,
     assert losses[False] == pytest.approx(losses[True], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_process_that_trains_without_compiling_never_imports_torchs_compiler():
     # torch's compiler takes about a second to import: every Ray worker and every trial process would pay it.
     code = (

@@ -87,6 +87,7 @@ def test_a_classifier_run_prints_its_final_scores_and_plots_its_confusion(write_
     assert "accuracy 0.935, macro-F1 0.927" in ax.get_title()
 
 
+@pytest.mark.slow
 def test_many_classes_keep_their_colors_and_names_but_drop_the_cell_numbers(write_run, capsys):
     classes = MAX_CELL_NUMBERS + 5
     names = [f"topic-{i}" for i in range(classes)]

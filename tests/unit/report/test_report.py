@@ -65,6 +65,7 @@ def findings(run):
     return {f.name: f for f in diagnose(load_run(run))}
 
 
+@pytest.mark.slow
 def test_a_real_tiny_run_gets_plots_and_a_diagnosis(tiny, tmp_path, capsys):
     run = tmp_path / "run"
     run_training(tiny(training={"steps": 4, "eval_interval": 2, "memory_budget_mb": 8192}), run)

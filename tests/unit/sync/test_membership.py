@@ -35,6 +35,7 @@ def _in_epoch(store, name, epoch):
     return member
 
 
+@pytest.mark.slow
 def test_a_member_holds_for_rank_0s_work_alone_past_the_deadline_until_it_is_released():
     import torch.distributed as dist
 

@@ -118,6 +118,7 @@ def test_resume_is_exact(small, tmp_path, task):
     assert scores and all(straight[k] == resumed[k] for k in scores)
 
 
+@pytest.mark.slow
 def test_language_model_beats_the_unigram_baseline(small, tmp_path):
     # The word salad's unigram entropy is about 4.2 bits per byte; knowing its 17 words brings this model to about
     # 1.0 in 150 steps. A 1.5-bit margin is far above the noise: the held-out estimate covers ~3,500 bytes (its
@@ -130,6 +131,7 @@ def test_language_model_beats_the_unigram_baseline(small, tmp_path):
     assert records[-1]["bits_per_byte"] < records[0]["bits_per_byte"] - 1.0  # step 10 against step 150
 
 
+@pytest.mark.slow
 def test_classifier_beats_the_majority_class(small, tmp_path):
     # Documents favour their label's letters 35% of the time; the majority class holds half of them. Each of the 30
     # held-out documents is 48 letters, enough for the favoured letters to show: a trained classifier gets nearly
@@ -176,6 +178,7 @@ def test_the_cli_trains_a_transformer_and_prints_its_scores(corpora, tmp_path, c
     assert "majority class" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_memory_adaptation_and_out_of_memory_redo_change_nothing_learned(small, tmp_path, fail_forward):
     from raytrm.hardware.pressure import MemoryReading
     from raytrm.models.transformer import Transformer

@@ -33,6 +33,7 @@ def test_speed_knobs_are_the_ones_that_leave_the_update_alone():
     assert not is_speed_knob("model.H_cycles") and not is_speed_knob("training.lr")
 
 
+@pytest.mark.slow
 def test_curve_points_equal_training_that_many_samples_and_evaluating(tiny):
     config = tiny(training={"threads": 1})
     curve = learning_curve(cfg.to_dict(config), [64, 160], quality_metric="eval_cell_acc", eval_puzzles=32)

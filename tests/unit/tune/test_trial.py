@@ -50,6 +50,7 @@ def _run(
     return result, partials
 
 
+@pytest.mark.slow
 def test_a_trm_trial_reports_its_evaluations_before_the_end_and_measures_the_window(monkeypatch):
     space = load_space("quick")
     experiment = cfg.to_dict(build_experiment(space.base, {"model.H_cycles": 1, "model.L_cycles": 1}))
@@ -64,6 +65,7 @@ def test_a_trm_trial_reports_its_evaluations_before_the_end_and_measures_the_win
     assert "tokens_per_sec" not in result
 
 
+@pytest.mark.slow
 def test_a_language_model_trial_measures_tokens_per_second_and_throughput_counts_them(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(3000)))
@@ -78,6 +80,7 @@ def test_a_language_model_trial_measures_tokens_per_second_and_throughput_counts
     assert objectives.objective_values(result, "throughput") == [result["tokens_per_sec"]]
 
 
+@pytest.mark.slow
 def test_with_a_horizon_the_trial_trains_to_it_and_is_evaluated_at_its_rungs():
     space = load_space("quick")
     experiment = cfg.to_dict(build_experiment(space.base, {"model.H_cycles": 1, "model.L_cycles": 1}))
@@ -95,6 +98,7 @@ def test_with_a_horizon_the_trial_trains_to_it_and_is_evaluated_at_its_rungs():
     assert result["steps"] == 18 and result["samples_per_sec"] > 0
 
 
+@pytest.mark.slow
 def test_a_horizon_in_minutes_is_training_time_without_the_evaluations(monkeypatch):
     space = load_space("quick")
     experiment = cfg.to_dict(build_experiment(space.base, {"model.H_cycles": 1, "model.L_cycles": 1}))

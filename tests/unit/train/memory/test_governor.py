@@ -100,6 +100,7 @@ def test_points_of_an_earlier_run_start_the_governor_at_its_choice_without_a_pro
     assert alone.probing and alone.micro_batch == 4
 
 
+@pytest.mark.slow
 def test_a_run_keeps_its_settled_points_for_the_next_run_of_the_model(tiny, tmp_path, monkeypatch):
     """Kept on GPUs only (there a cut compiles): here the store is handed in, and the second run starts at the cut
     the first settled on, with no probe steps."""
@@ -228,6 +229,7 @@ class ScriptedMemory:
         return MemoryReading(pressure=self.pressure_at.get(self.calls))
 
 
+@pytest.mark.slow
 def test_scripted_pressure_and_out_of_memory_change_nothing_learned(tiny, tmp_path, fail_forward):
     lr = 3e-3
     plain = run_training(tiny(training={"steps": 8, "lr": lr}), tmp_path / "plain")
