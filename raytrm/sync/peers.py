@@ -9,6 +9,7 @@ round's steps.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -65,7 +66,8 @@ class Peers:
         """Gather every worker's times and memory cap, rebalance the shares if that pays or a worker holds more than
         its cap; returns the events to log: every worker's own (its memory governor's and thermal guard's `events`,
         each tagged with its rank), then the rebalance. cap: the most samples this worker's memory model lets it
-        hold; held: the earlier steps of a local round, whose times are averaged with this one's."""
+        hold; held: the earlier steps of a local round, whose times are averaged with this one's for the rows (the
+        balancer takes their median)."""
         if self.alone:
             return list(events)
         trainer = self.trainer
@@ -78,10 +80,12 @@ class Peers:
             max(trainer.cuts),  # samples, whatever the cut counts
             -1 if cap is None else cap,
             sum(r.seconds for r in steps) / len(steps),
+            statistics.median(r.compute_seconds for r in steps),  # the balancer's: a slow first step left aside
             len(events),
         ]
         gathered = self.sync.gather_floats(mine)
         counts = [row.pop() for row in gathered]
+        medians = [row.pop() for row in gathered]
         logged = []
         if any(counts):  # adaptations are rare: their objects travel only when some worker has one
             for rank, theirs in enumerate(self.sync.gather_objects(list(events))):
@@ -110,7 +114,7 @@ class Peers:
                 "step %d: memory caps ignored, the global batch must be held anyway: %s", trainer.step, dropped
             )
             self._warned = True
-        self.balancer.observe(trainer.step, [row["compute_s"] for row in self.rows])
+        self.balancer.observe(trainer.step, medians, steps=len(steps))
         decision = self.balancer.decide(trainer.step)
         if decision is None:
             return logged

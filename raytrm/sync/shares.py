@@ -206,20 +206,30 @@ class ShareBalancer:
         self.events: list[Rebalance] = []
         self._seen = 0
         self._points: list[list[tuple[int, float]]] = [[] for _ in range(world_size)]
+        self._steps: list[int] = []  # the steady steps behind each kept observation (every worker's the same)
 
     def shard(self, rank: int) -> slice:
         return shard(self.shares, rank)
 
-    def observe(self, step: int, seconds: Sequence[float]) -> None:
-        """The step just run under the current shares took seconds[i] on worker i (its compute, not the sync)."""
+    def observe(self, step: int, seconds: Sequence[float], steps: int = 1) -> None:
+        """The step just run under the current shares took seconds[i] on worker i (its compute, not the sync); with
+        `steps` > 1, seconds[i] is the median step of the last `steps` (a local round's), all under these shares.
+
+        The warm-up's steps pay one-time costs (allocations, compilation, caches), so they are not on the line: an
+        observation is kept when most of its steps are past the warm-up, where a median no longer sees them."""
         if len(seconds) != self.world_size:
             raise ValueError(f"step {step}: {len(seconds)} step times for {self.world_size} workers")
-        self._seen += 1
-        if self._seen <= self.warmup_steps:
-            return  # one-time costs (allocations, compilation, caches) are not on the line
+        if steps < 1:
+            raise ValueError(f"step {step}: an observation covers at least one step, got {steps}")
+        warm = min(steps, max(0, self.warmup_steps - self._seen))
+        self._seen += steps
+        if steps - warm <= warm:
+            return
         for points, b, t in zip(self._points, self.shares, seconds, strict=True):
             points.append((b, float(t)))
             del points[: -self.window]
+        self._steps.append(steps - warm)
+        del self._steps[: -self.window]
 
     def set_caps(self, caps: Sequence[int | None] | None) -> str | None:
         """Each worker's most samples from now on (its memory model's); None for no cap. Caps that together cannot
@@ -240,7 +250,7 @@ class ShareBalancer:
         caps = self.caps or [None] * self.world_size
         over = [i for i, (b, c) in enumerate(zip(self.shares, caps, strict=True)) if c is not None and b > c]
         memory = _over_caps(over, self.shares, caps) if over else None
-        if any(len(p) < 2 for p in self._points):  # no lines yet: only memory can move samples
+        if sum(self._steps) < 2:  # fewer than two steady steps timed: only memory can move samples
             if memory is None:
                 return None
             proposal = split(self.global_batch, [1.0] * self.world_size, self.caps)
@@ -275,8 +285,9 @@ class ShareBalancer:
         """
         self._seen = 0
         if len(state["shares"]) != self.world_size or sum(state["shares"]) != self.global_batch:
-            self._points = [[] for _ in range(self.world_size)]
+            self._points, self._steps = [[] for _ in range(self.world_size)], []
             return
         self.shares = [int(b) for b in state["shares"]]
         self._points = [[(int(b), float(t)) for b, t in points] for points in state["points"]]
+        self._steps = [1] * len(self._points[0]) if self._points else []  # each saved point: at least one step
         self.events = [Rebalance.from_event(e) for e in state["events"]]

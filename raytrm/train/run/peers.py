@@ -33,8 +33,8 @@ class PeersHook(Hook):
         step.workers = self.peers.rows
 
     def on_regroup(self, loop: Loop) -> None:
-        """Another set of workers: their rows and the balancer start again from the even split (a held local round
-        was dropped with the change)."""
+        """Another set of workers: their rows and the balancer start again from the shares the new membership set
+        (each member's pace; a held local round was dropped with the change)."""
         self.peers = Peers(loop.trainer, balance=self.balance)
         self._held, self._held_events = [], []
 

@@ -182,6 +182,26 @@ def test_balancer_moves_samples_off_a_slow_worker_once():
     }
 
 
+def test_a_local_rounds_median_moves_the_shares_at_the_first_rounds_end():
+    # A round of 5 steps holds the warm-up's one step: its median is a steady step's, so the first round is a point.
+    balancer = ShareBalancer(90, 2)
+    balancer.observe(5, [0.45, 0.9], steps=5)
+    event = balancer.decide(5)
+    assert event is not None and event.step == 5 and balancer.shares == [60, 30]
+
+
+def test_an_observation_mostly_of_warm_up_steps_is_left_out():
+    balancer = ShareBalancer(90, 2, warmup_steps=2)
+    balancer.observe(3, [5.0, 0.9], steps=3)  # two of its three steps are warm-up: the median may be one of them
+    assert balancer.state_dict()["points"] == [[], []]
+    balancer.observe(4, [0.45, 0.9])  # one steady step: no line yet
+    assert balancer.decide(4) is None
+    balancer.observe(5, [0.45, 0.9])
+    assert balancer.decide(5) is not None and balancer.shares == [60, 30]
+    with pytest.raises(ValueError, match="at least one step, got 0"):
+        balancer.observe(6, [0.4, 0.8], steps=0)
+
+
 def test_balancer_learns_fixed_costs_from_the_shares_it_tried():
     lines = [LinearTime(0.1, 0.01), LinearTime(0.1, 0.02)]
     balancer = ShareBalancer(90, 2, warmup_steps=2)
