@@ -14,8 +14,9 @@ machine out until then. Here the driver instead:
   peer's state;
 - ends when the first worker (the head's, which writes the run directory) returns its summary.
 
-Each worker trains as a Ray Train worker would (raytrm.distributed.ray_train's machine settings per tier, the run
-directory written by rank 0), through `run_training` with its `Elastic`.
+Each worker trains as a Ray Train worker would (raytrm.distributed.ray_train's machine settings per tier, the first
+split of the batch by the profiles' measured speeds, the run directory written by rank 0), through `run_training`
+with its `Elastic`.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ class ElasticWorker:
         from torch.distributed import TCPStore
 
         from raytrm.distributed.run_logs import worker_logs
-        from raytrm.distributed.workers import node_tier, worker_config
+        from raytrm.distributed.workers import first_shares, node_tier, worker_config
         from raytrm.hardware import device as devices
         from raytrm.sync.membership import Membership, RunFinished
         from raytrm.sync.process_group import ProcessGroupSync
@@ -184,7 +185,9 @@ class ElasticWorker:
             if self.join:
                 return run_training(config, run_dir, join_sync=lambda: ProcessGroupSync(device), **common)
             members.start(job["size"])
-            return run_training(config, run_dir, resume=job["resume"], sync=ProcessGroupSync(device), **common)
+            sync = ProcessGroupSync(device)
+            shares = first_shares(sync, job, tier, config.training.global_batch_size)
+            return run_training(config, run_dir, resume=job["resume"], sync=sync, shares=shares, **common)
         except RunFinished:  # away when the run ended: nothing of it to do
             logger.warning("worker %s: the run ended while it was away", self.name)
             return {"finished_outside": True}

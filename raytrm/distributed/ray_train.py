@@ -27,6 +27,7 @@ from raytrm.distributed.node import GLOO_IFNAME_ENV
 from raytrm.distributed.workers import (
     MACHINE_FIELDS,
     Node,
+    first_shares,
     node_tier,
     raytrm_nodes,
     without_machine_settings,
@@ -294,7 +295,6 @@ def _worker_loop(job: dict) -> None:
     from raytrm.distributed.run_logs import DRIVER_LOG, LOGS_DIR, worker_logs
     from raytrm.hardware import device as devices
     from raytrm.sync.process_group import ProcessGroupSync
-    from raytrm.sync.shares import split
     from raytrm.train import checkpoint as ckpt
     from raytrm.train.run.training import CHECKPOINT_DIR, run_training
 
@@ -305,10 +305,8 @@ def _worker_loop(job: dict) -> None:
     tier = node_tier()
     config = worker_config(job, tier)
     sync = ProcessGroupSync(devices.pick_device(config.training.device))
-    # Shares start from the profiles' measured speeds (equal without them); the balancer refines them.
-    speeds = [row[0] for row in sync.gather_floats([job["weights"].get(tier, 0.0)])]
     global_batch = config.training.global_batch_size
-    shares = split(global_batch, speeds) if all(s > 0 for s in speeds) else split(global_batch, [1.0] * len(speeds))
+    shares = first_shares(sync, job, tier, global_batch)
     # A restart after a lost worker finds this run's checkpoints (a fresh run started without any): resume.
     found = bool(ckpt.list_checkpoints(run_dir / CHECKPOINT_DIR)) if rank == 0 else None
     restarted = bool(sync.broadcast_object(found)) and not job["resume"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from raytrm import config as cfg
 from raytrm.constants import RESOURCE_MACHINE, TIER_RESOURCE_PREFIX
@@ -77,6 +78,16 @@ def worker_config(job: dict, tier: str) -> cfg.ExperimentConfig:
         fill_from_tier(training, settings)
     changes = {k: training[k] for k in MACHINE_FIELDS if training[k] != getattr(config.training, k)}
     return dataclasses.replace(config, training=dataclasses.replace(config.training, **changes))
+
+
+def first_shares(sync: Any, job: dict, tier: str, global_batch: int) -> list[int]:
+    """The run's first split of the global batch over its workers (a collective of the run's group): by the measured
+    samples/s of each worker's tier in the run's profiles, evenly where a worker's tier has none. The peers' balancer
+    refines it from the first round's end."""
+    from raytrm.sync.shares import split
+
+    speeds = [row[0] for row in sync.gather_floats([job["weights"].get(tier, 0.0)])]
+    return split(global_batch, speeds if all(s > 0 for s in speeds) else [1.0] * len(speeds))
 
 
 def without_machine_settings(config: cfg.ExperimentConfig, keep: Sequence[str] = ()) -> cfg.ExperimentConfig:

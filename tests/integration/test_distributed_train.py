@@ -95,7 +95,8 @@ def profile(config: cfg.ExperimentConfig, tier: str, micro: int, speed: float) -
     )
 
 
-def test_one_worker_per_machine_each_with_its_tier_profile(ray_cluster, puzzles, tmp_path):
+@pytest.mark.parametrize("elastic", [False, True], ids=["ray-train", "own-actors"])
+def test_one_worker_per_machine_each_with_its_tier_profile(ray_cluster, puzzles, tmp_path, elastic):
     config = experiment(puzzles, steps=3)
     profiles = [profile(config, TIER_A, 4, 300.0), profile(config, TIER_B, 12, 100.0)]
     summary = train_distributed(
@@ -106,6 +107,7 @@ def test_one_worker_per_machine_each_with_its_tier_profile(ray_cluster, puzzles,
         profile_names=["a.yaml", "b.yaml"],
         progress=False,
         balance=False,
+        elastic=elastic,
     )
     rows = [r["workers"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "workers" in r][-1]
     by_share = {row["share"]: row["micro_batch"] for row in rows}
