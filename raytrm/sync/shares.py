@@ -179,7 +179,11 @@ def _over_caps(over: Sequence[int], shares: Sequence[int], caps: Sequence[int | 
 
 
 class ShareBalancer:
-    """Decides each global batch's shares from per-worker step times; never changes the global batch."""
+    """Decides each global batch's shares from per-worker step times; never changes the global batch.
+
+    It fits each worker's line to its observations of the latest `window` steps (one per step, or one per local
+    round), leaving out the first `warmup_steps`, and moves the shares when the lines predict a step at least
+    `min_gain` faster, checked every `interval` steps."""
 
     def __init__(
         self,
@@ -227,9 +231,17 @@ class ShareBalancer:
             return
         for points, b, t in zip(self._points, self.shares, seconds, strict=True):
             points.append((b, float(t)))
-            del points[: -self.window]
         self._steps.append(steps - warm)
-        del self._steps[: -self.window]
+        # The newest observations that cover `window` steps: a step that ran slow for a passing reason (the mode's
+        # switch, another app) leaves the fit after as many steps, whether the workers exchange every step or once
+        # a round.
+        kept, covered = 0, 0
+        while kept < len(self._steps) and covered < self.window:
+            kept += 1
+            covered += self._steps[-kept]
+        for points in self._points:
+            del points[:-kept]
+        del self._steps[:-kept]
 
     def set_caps(self, caps: Sequence[int | None] | None) -> str | None:
         """Each worker's most samples from now on (its memory model's); None for no cap. Caps that together cannot

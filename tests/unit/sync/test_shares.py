@@ -202,6 +202,16 @@ def test_an_observation_mostly_of_warm_up_steps_is_left_out():
         balancer.observe(6, [0.4, 0.8], steps=0)
 
 
+def test_the_window_counts_steps_so_a_slow_step_leaves_the_fit_after_two_rounds():
+    balancer = ShareBalancer(90, 2, window=8, min_gain=0.99)  # shares stay: only what the fit holds is watched
+    balancer.observe(1, [0.45, 0.9])  # the warm-up step
+    balancer.observe(2, [3.0, 0.9])  # a slow step of a passing cause (the mode's switch), at the first shares
+    balancer.observe(7, [0.45, 0.9], steps=5)  # a round of 5: with it, 6 steps are covered
+    assert balancer.state_dict()["points"][0] == [[45, 3.0], [45, 0.45]]
+    balancer.observe(12, [0.45, 0.9], steps=5)  # 10 steps in the two latest rounds: the slow step is out
+    assert balancer.state_dict()["points"] == [[[45, 0.45], [45, 0.45]], [[45, 0.9], [45, 0.9]]]
+
+
 def test_balancer_learns_fixed_costs_from_the_shares_it_tried():
     lines = [LinearTime(0.1, 0.01), LinearTime(0.1, 0.02)]
     balancer = ShareBalancer(90, 2, warmup_steps=2)
