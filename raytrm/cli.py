@@ -413,11 +413,15 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(f"  scp {ip}:.ray/auth_token ~/.ray/auth_token && chmod 600 ~/.ray/auth_token")
         own_port = "" if args.paths_port is None else f" --paths-port {done['paths_port']}"
         print(f"  raytrm cluster join {done['address']}{own_port}")
+        if done["advertised"]:
+            print("  (or `raytrm cluster join` alone, which finds this head by mDNS where multicast reaches)")
         where = "from any Mac with the token" if done["dashboard_on_lan"] else "here"
         print(f"jobs, submitted {where}: {job_command(done['dashboard'])}")
         return cluster.block() if args.block else 0
     elif args.action == "join":
         done = cluster.join(args.head, args.node_ip, args.tier, args.token_file, args.object_store_mb, args.paths_port)
+        if done["found"]:
+            print(f"found the head {done['found']} at {done['head']} by mDNS")
         _print_paths(done)
         print(f"joined {done['head']} as a node of tier {done['tier']} at {done['address']}")
         return cluster.block() if args.block else 0
@@ -689,7 +693,13 @@ def _add_cluster(sub: Any) -> None:
             help="the head's path service, which measures the paths between the Macs (default: Ray's port + 1)",
         )
         if name == "join":
-            a.add_argument("head", metavar="HEAD[:PORT]", help="the head's address, as `raytrm cluster head` printed")
+            a.add_argument(
+                "head",
+                metavar="HEAD[:PORT]",
+                nargs="?",
+                help="the head's address, as `raytrm cluster head` printed (default: the one head found on the local "
+                "network by mDNS)",
+            )
         else:
             a.add_argument("--port", type=port_number, default=6379, help="the head's port (default 6379)")
             a.add_argument(

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from raytrm.distributed import discovery, path_client, path_service, paths, tokens
 from raytrm.distributed import node as nodes
-from raytrm.distributed import path_client, path_service, paths, tokens
 from raytrm.distributed.cluster import check_address, ray_node_here
 from raytrm.distributed.reach import check_head, ipv4_of, port_taken
 from raytrm.errors import UserError
@@ -97,6 +97,7 @@ def head(
         "role": "head",
         "address": f"{spec.node_ip}:{port}",
         "paths_port": paths_port,
+        "advertised": path_service.advertised(spec.node_ip),
         "tier": spec.tier,
         "memory_budget_mb": spec.memory_budget_mb,
         "token_file": str(token),
@@ -108,16 +109,20 @@ def head(
 
 
 def join(
-    address: str,
+    address: str | None,
     node_ip: str | None = None,
     tier: str | None = None,
     token_file: str | None = None,
     object_store_mb: int | None = None,
     paths_port: int | None = None,
 ) -> dict[str, Any]:
-    """Join the head at HEAD[:PORT] with its token, the paths to it measured and the fastest recorded for the
-    gradient sync (node_ip, where given, names the path instead); stopped again if its versions differ from the
-    head's."""
+    """Join the head at HEAD[:PORT] (None: the one head found on the local network by mDNS) with its token, the
+    paths to it measured and the fastest recorded for the gradient sync (node_ip, where given, names the path
+    instead); stopped again if its versions differ from the head's."""
+    found = None
+    if address is None:
+        found, address = discovery.find_head()
+        paths_port = found.paths_port if paths_port is None else paths_port
     host, port = nodes.split_address(address)
     paths_port = path_client.service_port(port, paths_port)
     if node_ip is not None:
@@ -145,6 +150,7 @@ def join(
     return {
         "role": "worker",
         "head": f"{host}:{port}",
+        "found": found.name if found is not None else None,
         "address": spec.node_ip,
         "tier": spec.tier,
         "paths": measured,

@@ -1,16 +1,18 @@
 """The head's path service: on every interface, at Ray's port + 1, it answers joining Macs that hold the cluster's
 token with the head's addresses, echoes for latency and a sink for rate (the protocol: raytrm.distributed.paths).
 
-`raytrm cluster head` starts it as a small process of its own beside Ray's head (`python -m
-raytrm.distributed.path_service`), which stops when `raytrm cluster stop` stops it or, whatever stopped Ray (`ray
-stop`, a crash), within seconds of Ray's head no longer answering: nothing is left behind. Its pid file and log live
-in Ray's /tmp/ray.
+It also advertises the head by mDNS (DNS-SD `_raytrm._tcp`), so that `raytrm cluster join` with no address finds
+it (raytrm.distributed.discovery). `raytrm cluster head` starts it as a small process of its own beside Ray's head
+(`python -m raytrm.distributed.path_service`), which stops when `raytrm cluster stop` stops it or, whatever stopped
+Ray (`ray stop`, a crash), within seconds of Ray's head no longer answering: nothing is left behind. Its pid file and
+log live in Ray's /tmp/ray.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -24,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from raytrm.distributed import paths
+from raytrm.distributed import discovery, paths
 from raytrm.distributed.path_client import open_service
 from raytrm.errors import UserError
 
@@ -112,11 +114,24 @@ def _watch(service: Service, ray_address: str) -> None:
     service.shutdown()
 
 
-def serve(port: int, token_file: Path, ray_address: str | None, pid_file: Path | None = None) -> None:
-    """Run the service until SIGTERM, or until Ray's head at ray_address stops answering (if given)."""
+def _advertise(ray_port: int, port: int, adverts: list[discovery.Advert]) -> None:
+    try:
+        adverts.append(discovery.Advert(ray_port, port))
+    except Exception as error:  # no multicast here: joining by address still works
+        logger.warning("the head is not advertised by mDNS (%s): join it by its address", error)
+
+
+def serve(
+    port: int, token_file: Path, ray_address: str | None, pid_file: Path | None = None, advertise: int | None = None
+) -> None:
+    """Run the service until SIGTERM, or until Ray's head at ray_address stops answering (if given); with
+    `advertise` (Ray's port), the head is found by mDNS meanwhile (raytrm.distributed.discovery)."""
     from raytrm.distributed.tokens import read_token
 
     service = Service(port, read_token(token_file), paths.interfaces)
+    adverts: list[discovery.Advert] = []
+    if advertise is not None:  # beside the service: mDNS's probing for the name takes a second or two
+        threading.Thread(target=_advertise, args=(advertise, port, adverts), name="raytrm-mdns", daemon=True).start()
 
     def on_term(signum: int, frame: object) -> None:
         raise SystemExit(0)
@@ -129,6 +144,8 @@ def serve(port: int, token_file: Path, ray_address: str | None, pid_file: Path |
             threading.Thread(target=_watch, args=(service, ray_address), name="raytrm-watch", daemon=True).start()
         service.serve_forever(poll_interval=0.5)
     finally:
+        for advert in adverts:
+            advert.close()
         service.server_close()
         if pid_file is not None:
             with contextlib.suppress(OSError):
@@ -141,11 +158,15 @@ def serve(port: int, token_file: Path, ray_address: str | None, pid_file: Path |
 
 def start(port: int, token_file: Path, ray_address: str, ready_at: str = "127.0.0.1") -> int:
     """Start the service as a process of its own (it outlives this command, as Ray's head does); returns its pid
-    once it answers at ready_at:port. Its failure to start is one line."""
+    once it answers at ready_at:port. Its failure to start is one line. While it runs, the head is found by mDNS
+    where `advertised`."""
     PID_FILE.parent.mkdir(parents=True, exist_ok=True)
     LOG_FILE.parent.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", MODULE, "--port", str(port), "--token-file", str(token_file)]
     argv += ["--watch", ray_address, "--pid-file", str(PID_FILE)]
+    host, _, ray_port = ray_address.rpartition(":")
+    if advertised(host):
+        argv += ["--advertise", ray_port]
     with LOG_FILE.open("w") as log:
         child = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -166,6 +187,12 @@ def start(port: int, token_file: Path, ray_address: str, ready_at: str = "127.0.
         time.sleep(0.1)
     child.kill()
     raise UserError(f"the path service gave no answer on port {port} within {START_S:g} s; see {LOG_FILE}")
+
+
+def advertised(node_ip: str) -> bool:
+    """Whether the service of a head at node_ip advertises it by mDNS: not on a loopback address, which no other Mac
+    can reach."""
+    return not ipaddress.IPv4Address(node_ip).is_loopback
 
 
 def running(port: int | None = None) -> int | None:
@@ -207,10 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-file", type=Path, required=True)
     parser.add_argument("--watch", metavar="HOST:PORT", help="stop once Ray's head there stops answering")
     parser.add_argument("--pid-file", type=Path, help="where to write its pid (removed at its end)")
+    parser.add_argument("--advertise", type=int, metavar="RAY_PORT", help="be found by mDNS, with Ray's port")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
-        serve(args.port, args.token_file, args.watch, args.pid_file)
+        serve(args.port, args.token_file, args.watch, args.pid_file, args.advertise)
     except (UserError, OSError) as e:
         print(f"raytrm path service: {e}", file=sys.stderr)
         return 2

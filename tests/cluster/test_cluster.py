@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import stat
 import sys
 import time
@@ -58,8 +59,10 @@ def one_line(done) -> str:
 def cluster(hosts):
     """Head on a, then b tries to join without the token, with a wrong one, and with the head's."""
     a, b = hosts["a"], hosts["b"]
+    # Before any head runs, `join` with no address finds none by mDNS.
+    steps = {"nothing_found": b.raytrm("cluster", "join", "--tier", WORKER_TIER)}
     # The dashboard (job submission) on the LAN, so the worker can submit too; it still wants the token.
-    steps = {"head": a.raytrm("cluster", "head", "--tier", HEAD_TIER, "--dashboard-host", "0.0.0.0", check=True)}
+    steps["head"] = a.raytrm("cluster", "head", "--tier", HEAD_TIER, "--dashboard-host", "0.0.0.0", check=True)
     steps["no_token"] = b.raytrm("cluster", "join", a.ip, "--tier", WORKER_TIER)
     token = (a.home / ".ray" / "auth_token").read_text()
     wrong = b.root / "wrong_token"
@@ -75,7 +78,7 @@ def cluster(hosts):
     copied.chmod(0o600)
     # The head's dashboard port: something answers there, but no Ray head.
     steps["dashboard_port"] = b.raytrm("cluster", "join", f"{a.ip}:8265", "--tier", WORKER_TIER)
-    steps["join"] = b.raytrm("cluster", "join", a.ip, "--tier", WORKER_TIER, check=True)
+    steps["join"] = b.raytrm("cluster", "join", "--tier", WORKER_TIER, check=True)  # no address: found by mDNS
     steps["status"] = a.raytrm("cluster", "status", check=True)
     steps["status_from_worker"] = b.raytrm("cluster", "status", check=True)
     yield steps
@@ -107,6 +110,15 @@ def test_a_token_copied_open_to_others_or_a_port_that_is_not_the_heads_is_one_li
     assert f"run `chmod 600 {copied}` and try again" in one_line(cluster["open_token"])
     refused = one_line(cluster["dashboard_port"])
     assert f"{hosts['a'].ip}:8265: something answers there, but not as a Ray head (its answer is not" in refused
+
+
+def test_join_with_no_address_finds_the_head_by_mdns_or_says_none_answered(hosts, cluster):
+    assert one_line(cluster["nothing_found"]).startswith("raytrm: error: no raytrm head answered by mDNS")
+    assert "raytrm cluster join HEAD[:PORT]" in one_line(cluster["nothing_found"])
+    assert "(or `raytrm cluster join` alone, which finds this head by mDNS" in cluster["head"].stdout
+    # The record's name is the host name, which the rig's hosts share with this machine.
+    name = socket.gethostname().split(".")[0]
+    assert f"found the head {name} at {hosts['a'].ip}:6379 by mDNS" in cluster["join"].stdout, cluster["join"].stdout
 
 
 def test_the_joined_cluster_shows_both_hosts_and_their_tiers(hosts, cluster):
