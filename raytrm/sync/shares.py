@@ -181,8 +181,8 @@ def _over_caps(over: Sequence[int], shares: Sequence[int], caps: Sequence[int | 
 class ShareBalancer:
     """Decides each global batch's shares from per-worker step times; never changes the global batch.
 
-    It fits each worker's line to its observations of the latest `window` steps (one per step, or one per local
-    round), leaving out the first `warmup_steps`, and moves the shares when the lines predict a step at least
+    It fits each worker's line to its observations of the latest `window` steps, at least two (one per step, or one
+    per local round), leaving out the first `warmup_steps`, and moves the shares when the lines predict a step at least
     `min_gain` faster, checked every `interval` steps."""
 
     def __init__(
@@ -232,11 +232,11 @@ class ShareBalancer:
         for points, b, t in zip(self._points, self.shares, seconds, strict=True):
             points.append((b, float(t)))
         self._steps.append(steps - warm)
-        # The newest observations that cover `window` steps: a step that ran slow for a passing reason (the mode's
-        # switch, another app) leaves the fit after as many steps, whether the workers exchange every step or once
-        # a round.
+        # The newest observations that cover `window` steps, and at least two (a line through two shares after a
+        # move): a step that ran slow for a passing reason (the mode's switch, another app) leaves the fit after as
+        # many steps, or two local rounds, rather than `window` rounds.
         kept, covered = 0, 0
-        while kept < len(self._steps) and covered < self.window:
+        while kept < len(self._steps) and (covered < self.window or kept < 2):
             kept += 1
             covered += self._steps[-kept]
         for points in self._points:

@@ -210,6 +210,8 @@ def test_the_window_counts_steps_so_a_slow_step_leaves_the_fit_after_two_rounds(
     assert balancer.state_dict()["points"][0] == [[45, 3.0], [45, 0.45]]
     balancer.observe(12, [0.45, 0.9], steps=5)  # 10 steps in the two latest rounds: the slow step is out
     assert balancer.state_dict()["points"] == [[[45, 0.45], [45, 0.45]], [[45, 0.9], [45, 0.9]]]
+    balancer.observe(22, [0.5, 0.9], steps=10)  # a round longer than the window: it and the one before, for a line
+    assert balancer.state_dict()["points"][0] == [[45, 0.45], [45, 0.5]]
 
 
 def test_balancer_learns_fixed_costs_from_the_shares_it_tried():
