@@ -420,8 +420,6 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         return cluster.block() if args.block else 0
     elif args.action == "join":
         done = cluster.join(args.head, args.node_ip, args.tier, args.token_file, args.object_store_mb, args.paths_port)
-        if done["found"]:
-            print(f"found the head {done['found']} at {done['head']} by mDNS")
         _print_paths(done)
         print(f"joined {done['head']} as a node of tier {done['tier']} at {done['address']}")
         return cluster.block() if args.block else 0
@@ -438,6 +436,8 @@ def _print_paths(done: dict, joined: bool = True) -> None:
     """The paths to the head as measured, and the one the gradient sync takes (or would take, not joined)."""
     from raytrm.distributed.paths import table
 
+    if done.get("found"):
+        print(f"found the head {done['found']} at {done['head']} by mDNS")
     print(f"paths to the head {done['head'].rpartition(':')[0]}, measured from this Mac:")
     print(table(done["paths"], done["chosen"]))
     chosen = done["chosen"]
@@ -720,7 +720,12 @@ def _add_cluster(sub: Any) -> None:
             help="stay in the foreground while the node runs (for launchd); SIGTERM stops the node",
         )
     a = actions.add_parser("paths", help="measure each path to the head (rate, latency) and show the fastest")
-    a.add_argument("head", metavar="HEAD[:PORT]", help="the head's address, as `raytrm cluster head` printed")
+    a.add_argument(
+        "head",
+        nargs="?",
+        metavar="HEAD[:PORT]",
+        help="the head's address, as `raytrm cluster head` printed (default: the one head found by mDNS)",
+    )
     a.add_argument("--paths-port", type=port_number, help="the head's path service (default: Ray's port + 1)")
     a.add_argument("--token-file", metavar="FILE", help="the cluster token (default: ~/.ray/auth_token)")
     a = actions.add_parser("status", help="the cluster's nodes, tiers, memory budgets and jobs")

@@ -119,10 +119,7 @@ def join(
     """Join the head at HEAD[:PORT] (None: the one head found on the local network by mDNS) with its token, the
     paths to it measured and the fastest recorded for the gradient sync (node_ip, where given, names the path
     instead); stopped again if its versions differ from the head's."""
-    found = None
-    if address is None:
-        found, address = discovery.find_head()
-        paths_port = found.paths_port if paths_port is None else paths_port
+    found, address, paths_port = _head_address(address, paths_port, "join")
     host, port = nodes.split_address(address)
     paths_port = path_client.service_port(port, paths_port)
     if node_ip is not None:
@@ -159,15 +156,27 @@ def join(
     }
 
 
-def measure(address: str, token_file: str | None = None, paths_port: int | None = None) -> dict[str, Any]:
-    """`raytrm cluster paths HEAD[:PORT]`: the paths to the head measured, and the one `join` would choose; joins
-    nothing."""
+def _head_address(
+    address: str | None, paths_port: int | None, command: str
+) -> tuple[discovery.Head | None, str, int | None]:
+    """The head as given, or (None) the one found on the local network by mDNS, with its path service's port."""
+    if address is not None:
+        return None, address, paths_port
+    found, address = discovery.find_head(command=command)
+    return found, address, found.paths_port if paths_port is None else paths_port
+
+
+def measure(address: str | None, token_file: str | None = None, paths_port: int | None = None) -> dict[str, Any]:
+    """`raytrm cluster paths [HEAD[:PORT]]`: the paths to the head (None: found by mDNS) measured, and the one `join`
+    would choose; joins nothing."""
+    found, address, paths_port = _head_address(address, paths_port, "paths")
     host, port = nodes.split_address(address)
     paths_port = path_client.service_port(port, paths_port)
     token = _token_path(token_file)
     secret = tokens.read_token(token, head=host)
     measured = path_client.find_paths(ipv4_of(host), paths_port, secret, token)
-    return {"head": f"{host}:{port}", "paths": measured, "chosen": paths.choose(measured)}
+    chosen = paths.choose(measured)
+    return {"head": f"{host}:{port}", "found": found.name if found else None, "paths": measured, "chosen": chosen}
 
 
 @contextlib.contextmanager

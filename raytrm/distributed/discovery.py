@@ -132,26 +132,29 @@ def _head(info: Any) -> Head | None:
     return Head(info.name.removesuffix(f".{SERVICE}"), addresses, int(text), int(info.port))
 
 
-STATIC_FORM = "give the head's address as `raytrm cluster head` printed it: raytrm cluster join HEAD[:PORT]"
+STATIC_FORM = "give the head's address as `raytrm cluster head` printed it: raytrm cluster {command} HEAD[:PORT]"
 
 
-def find_head(timeout_s: float = BROWSE_S, look: Callable[[float], list[Head]] | None = None) -> tuple[Head, str]:
+def find_head(
+    timeout_s: float = BROWSE_S, look: Callable[[float], list[Head]] | None = None, command: str = "join"
+) -> tuple[Head, str]:
     """The one head on the local network and the HOST:PORT to join it by; else one line saying what was found and
-    the static form. look: the browse (a test's stand-in)."""
+    the static form of `raytrm cluster COMMAND`. look: the browse (a test's stand-in)."""
+    static = STATIC_FORM.format(command=command)
     mine = paths.interfaces()
     try:
         heads = (look or (lambda s: browse(s, mine)))(timeout_s)
     except OSError as error:  # no socket for multicast at all (a sandbox, a firewall)
-        raise UserError(f"cannot look for a head by mDNS here ({error}); {STATIC_FORM}") from None
+        raise UserError(f"cannot look for a head by mDNS here ({error}); {static}") from None
     if not heads:
         raise UserError(
             f"no raytrm head answered by mDNS (DNS-SD {SERVICE.removesuffix('.local.')}) within {timeout_s:g} s: "
             "none runs on this network, or multicast is blocked here (macOS blocks it in SSH sessions, and some "
-            f"Wi-Fi networks do); {STATIC_FORM}"
+            f"Wi-Fi networks do); {static}"
         )
     if len(heads) > 1:
         found = ", ".join(f"{h.name} at {h.address_from(mine)}" for h in heads)
         raise UserError(
-            f"{len(heads)} raytrm heads answered by mDNS ({found}); pick one: raytrm cluster join HEAD[:PORT]"
+            f"{len(heads)} raytrm heads answered by mDNS ({found}); pick one: raytrm cluster {command} HEAD[:PORT]"
         )
     return heads[0], heads[0].address_from(mine)

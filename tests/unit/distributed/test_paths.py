@@ -205,3 +205,26 @@ def test_join_and_paths_say_which_path_the_sync_takes(capsys):
     out = capsys.readouterr().out.splitlines()
     assert not any(line.endswith("chosen") for line in out)
     assert out[-1] == "the gradient sync takes the path of --node-ip 192.168.1.21, as given"
+
+
+def test_paths_with_no_address_measures_the_head_found_by_mdns_or_names_the_static_form(tmp_path, monkeypatch, capsys):
+    from raytrm.cli import main
+    from raytrm.distributed import discovery
+
+    token = tmp_path / "auth_token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    with service() as port:
+        studio = discovery.Head("studio", ("127.0.0.2",), 6379, port)
+        monkeypatch.setattr(discovery, "browse", lambda seconds, mine: [studio])
+        assert main(["cluster", "paths", "--token-file", str(token)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [
+        "found the head studio at 127.0.0.2:6379 by mDNS",
+        "paths to the head 127.0.0.2, measured from this Mac:",
+    ]
+    assert out[-1].startswith("the fastest: ") and " 127.0.0.1 " in out[-1]
+    monkeypatch.setattr(discovery, "browse", lambda seconds, mine: [])
+    assert main(["cluster", "paths", "--token-file", str(token)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("raytrm cluster paths HEAD[:PORT]"), err
