@@ -365,7 +365,7 @@ def rig_flags(p: argparse.ArgumentParser) -> None:
         default=["auto"],
         metavar="MODE",
         help="sync modes of the runs across the three (auto, exact, local:H; MODE/elastic: through `raytrm train "
-        "--elastic`)",
+        "--elastic`; MODE/apart, MODE/elastic/apart: Ray's daemons and the driver outside the hosts' CPU quotas)",
     )
     p.add_argument("--steps", type=int, default=60, help="steps of a run across the three (elastic runs too)")
     p.add_argument("--solo-steps", type=int, default=15, help="steps of each host's solo run")

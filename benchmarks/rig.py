@@ -9,8 +9,11 @@ The hosts are tests.support.rig's namespaces on one LAN, a Studio and two MacBoo
   machine's caches and memory bandwidth, so each trains slower beside the others' compute, cluster or not;
 - then, at each LAN rate (tc tbf on every host's attachment, both ends), `raytrm cluster head` on the Studio,
   `cluster join` on the MacBooks, and `raytrm train --address auto` from the Studio: one worker a host, shares
-  balanced by speed, the sync mode chosen from the measured link (`auto`, or --sync-modes; a mode ending in
-  /elastic, auto/elastic, runs through raytrm's own actors, `raytrm train --elastic`, rather than Ray Train's).
+  balanced by speed, the sync mode chosen from the measured link (`auto`, or --sync-modes; a mode with /elastic,
+  auto/elastic, runs through raytrm's own actors, `raytrm train --elastic`, rather than Ray Train's; one with
+  /apart, auto/elastic/apart, keeps every process but the training workers, Ray's daemons and the driver, outside the
+  hosts' quotas, benchmarks.rig_cpu.RayApart: on a Mac of 8 to 24 cores they take a percent of it, on a host of 0.4
+  of a core a tenth).
 A row's figure is the run's samples/s over the sum of the round's solo rates (the issue's goal: 0.90 unshaped,
 0.85 at 100 Mbit/s, 0.80 at 20 Mbit/s), and over the sum side by side (what distribution itself costs: Ray, the
 sync, the shares); with several rounds, the medians of the rounds' ratios. A row also gives the fastest worker's
@@ -36,7 +39,7 @@ from typing import Any
 from benchmarks.link import RUN_SECONDS, STEP_SECONDS, check_rates
 from benchmarks.link_models import LinkModel, mode_settings, trm_model
 from benchmarks.link_runs import read_run
-from benchmarks.rig_cpu import CpuWatch
+from benchmarks.rig_cpu import CpuWatch, RayApart
 from raytrm import config as cfg
 from raytrm.errors import UserError
 from raytrm.train.run.metrics import read_metrics
@@ -73,13 +76,19 @@ class RigRun:
     error: str = ""
 
 
-#: A mode's suffix for a run through raytrm's own actors (`raytrm train --elastic`) rather than Ray Train's.
-ELASTIC = "/elastic"
+#: A mode's suffixes: a run through raytrm's own actors (`raytrm train --elastic`) rather than Ray Train's; every
+#: process but the training workers outside the hosts' quotas (benchmarks.rig_cpu.RayApart).
+ELASTIC, APART = "elastic", "apart"
 
 
-def split_mode(mode: str) -> tuple[str, bool]:
-    """A bench mode (auto, local:5, auto/elastic) as the sync mode and whether the run is elastic."""
-    return mode.removesuffix(ELASTIC), mode.endswith(ELASTIC)
+def split_mode(mode: str) -> tuple[str, bool, bool]:
+    """A bench mode (auto, local:5, auto/elastic, auto/elastic/apart) as the sync mode, whether the run is elastic
+    and whether Ray's processes run apart from the quotas."""
+    sync, *suffixes = mode.split("/")
+    unknown = [s for s in suffixes if s not in (ELASTIC, APART)]
+    if unknown or len(set(suffixes)) != len(suffixes):
+        raise UserError(f"bench mode {mode!r}: expected a sync mode, then /{ELASTIC} and /{APART} each at most once")
+    return sync, ELASTIC in suffixes, APART in suffixes
 
 
 def rig_experiment(model: LinkModel, mode: str | None) -> dict[str, Any]:
@@ -112,7 +121,8 @@ def _run(rig: Rig, r: int, host: str, rate: str, mode: str, model: LinkModel, ru
         watch = (
             CpuWatch(list(rig.hosts.values()), run_dir, model.warmup + 1, model.steps - 2) if host == "all" else None
         )
-        with watch or contextlib.nullcontext():
+        apart = RayApart(rig) if host == "all" and split_mode(mode)[2] else contextlib.nullcontext()
+        with apart, watch or contextlib.nullcontext():
             figures = train_on(driver, rig_experiment(model, mode if host == "all" else None), model, run_dir, *flags)
         cores = watch.cores() if watch is not None else None
         run.cores = {name: asdict(used) for name, used in (cores or {}).items()}

@@ -1,10 +1,12 @@
 """Where the rig hosts' cores go during a run: every process of each host sampled from /proc as the run passes two
 steps, and the cores each used in between, the training worker's apart from everything else (Ray's daemons, Ray
 Train's actors, the driver). On a host with a quota of 0.4 or 0.8 of a core, Ray's fixed processes are a large share
-of it; on a Mac with 8 to 24 cores the same processes are a small one, so the bench says how much they took."""
+of it; on a Mac with 8 to 24 cores the same processes are a small one, so the bench says how much they took, and
+can keep them out of the quotas (RayApart) to measure the training as such a Mac runs it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from tests.support.elastic_training import steps_logged
 from tests.support.host import Host
+from tests.support.rig import Rig
 
 #: The training worker's process title under Ray Train and under `raytrm train --elastic`.
 WORKERS = ("ray::RayTrainWorker", "ray::ElasticWorker")
@@ -83,3 +86,47 @@ class CpuWatch:
             worker = sum(c for command, c in used if command.startswith(WORKERS))
             found[name] = HostCores(worker, sum(c for _, c in used) - worker)
         return found
+
+
+class RayApart:
+    """While it runs (a thread), every process of the rig's hosts but their training workers (Ray's daemons and idle
+    workers, the path service, the driver) runs in the host's spare cgroup, outside its quota, and the training
+    workers in the quota: each quota's cores go to the training alone, as a Mac's do where Ray's daemons take a
+    percent of its cores. A worker starts in the spare group (Ray's raylet forks it) and is moved into the quota
+    within `every` seconds of taking its actor's title, long before the steady steps. At its end every process is
+    back in its host's quota."""
+
+    def __init__(self, rig: Rig, every: float = 0.25) -> None:
+        self.rig, self.every = rig, every
+        self.hosts = [h for h in rig.hosts.values() if h.cgroup is not None]
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._move, daemon=True)
+
+    def __enter__(self) -> RayApart:
+        self._sort()  # the daemons already running leave the quotas before the run starts
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+        self._sort(apart=False)  # every process back in its quota, or the next run's workers would start outside it
+
+    def _move(self) -> None:
+        while not self._done.wait(self.every):
+            self._sort()
+
+    def _sort(self, apart: bool = True) -> None:
+        for host in self.hosts:
+            quota, spare = host.cgroup, self.rig.spare(host.name)
+            assert quota is not None
+            inside, outside = set(quota.pids()), set(spare.pids())
+            for pid in host.pids():
+                if pid == host.pid:
+                    continue
+                found = _cpu(pid)
+                training = found is not None and found[1].startswith(WORKERS)
+                group, members = (spare, outside) if apart and not training else (quota, inside)
+                if pid not in members:
+                    with contextlib.suppress(OSError):  # gone meanwhile
+                        group.add(pid)

@@ -54,8 +54,12 @@ def test_a_failed_run_or_a_round_whose_solo_failed_counts_as_failed():
 
 
 def test_a_mode_ending_in_elastic_runs_through_raytrms_own_actors():
-    assert rig.split_mode("auto/elastic") == ("auto", True)
-    assert rig.split_mode("local:5") == ("local:5", False)
+    assert rig.split_mode("auto/elastic") == ("auto", True, False)
+    assert rig.split_mode("local:5") == ("local:5", False, False)
+    assert rig.split_mode("auto/elastic/apart") == rig.split_mode("auto/apart/elastic") == ("auto", True, True)
+    for bad in ("auto/elastic/elastic", "auto/fast"):
+        with pytest.raises(UserError, match=f"bench mode '{bad}': expected a sync mode, then /elastic and /apart"):
+            rig.split_mode(bad)
     experiment = rig.rig_experiment(LinkModel("trm", {"training": {"steps": 4}}, 2, ""), "local:5/elastic")
     assert experiment["training"] == {"steps": 4, "threads": 1, "sync_mode": "local", "sync_every": 5}
 

@@ -257,3 +257,40 @@ def test_a_terminated_maker_removes_its_rig_and_a_killed_ones_is_removed_by_the_
     assert set(left) <= set(remove_stale_rigs())
     assert leftovers(tag) == [] and dead(orphans)
     assert tag.startswith(f"rtn{maker.pid}-")
+
+
+def _pid_of(host, title: str, timeout: float = 10) -> int:
+    """The host's process whose command line starts with title (its id on this machine)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in host.pids():
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes().decode().startswith(title):
+                    return pid
+            except OSError:
+                pass
+        time.sleep(0.05)
+    raise AssertionError(f"no process {title!r} on host {host.name}")
+
+
+def test_ray_apart_keeps_the_training_worker_in_its_quota_and_the_rest_beside_it_without_one(tmp_path, can_make):
+    from benchmarks.rig_cpu import RayApart
+
+    with small_rig(tmp_path) as rig:
+        host = rig["a"]
+        host.popen("sleep", "600", log=tmp_path / "daemon.log")
+        daemon = _pid_of(host, "sleep")
+        with RayApart(rig, every=0.05):
+            host.popen("bash", "-c", "exec -a ray::ElasticWorker sleep 600", log=tmp_path / "worker.log")
+            worker = _pid_of(host, "ray::ElasticWorker")
+            spin = host.popen(sys.executable, "-c", BUSY, "1", log=tmp_path / "busy.log")
+            assert spin.wait(timeout=60) == 0
+            time.sleep(0.2)
+            quota, spare = rig.cgroups["a"], rig.spare("a")
+            assert worker in quota.pids() and daemon in spare.pids() and daemon not in quota.pids()
+        # The spinner left the quota of 0.2 of a core within a tick: it got several times that.
+        assert float((tmp_path / "busy.log").read_text()) > 0.4
+        assert spare.cores() is None and quota.cores() == 0.2
+        assert daemon in quota.pids() and not spare.pids()  # back in the quota at the end
+        assert f"{rig.tag}-a-spare" in leftovers(rig.tag)
+    assert leftovers(rig.tag) == []

@@ -92,6 +92,7 @@ class Rig:
         self.rates: dict[tuple[str, str | None], str] = {}
         self.hosts: dict[str, Host] = {}
         self.cgroups: dict[str, cpu_quota.CpuGroup] = {}
+        self.spares: dict[str, cpu_quota.CpuGroup] = {}  # see spare
         self._made: list[str] = []  # namespaces, in the order made
         self._generations = dict.fromkeys(self.specs, 0)
         leftovers.watch(self)
@@ -135,6 +136,17 @@ class Rig:
                 hierarchy = hierarchy or _hierarchy()
                 self.cgroups[spec.name] = hierarchy.group(self.netns[spec.name])
                 self.cgroups[spec.name].limit(spec.cpu)
+
+    def spare(self, name: str) -> cpu_quota.CpuGroup:
+        """A second cgroup of host name's, beside its quota's and without one: a process moved into it runs on what
+        the quotas leave of this machine, as a Mac's background processes run on the cores its training leaves
+        (made at the first call; removed with the rig)."""
+        if name not in self.cgroups:
+            raise ValueError(f"host {name!r} has no CPU quota to keep a process out of")
+        if name not in self.spares:
+            self.spares[name] = _hierarchy().group(f"{self.netns[name]}-spare")
+            self.spares[name].limit(None)
+        return self.spares[name]
 
     def _veth(self, netns: str, dev: str, peer_netns: str, peer: str) -> None:
         """A veth pair made straight into its two namespaces: it never appears in this machine's own."""
@@ -270,14 +282,14 @@ class Rig:
                 host.kill()
             except (OSError, subprocess.SubprocessError) as e:
                 logger.warning("rig %s: host %s: %s", self.tag, host.name, e)
-        for group in self.cgroups.values():
+        for group in [*self.spares.values(), *self.cgroups.values()]:
             try:
                 group.remove()
             except OSError as e:
                 logger.warning("rig %s: cgroup %s: %s", self.tag, group.path, e)
         for ns in reversed(self._made):
             leftovers.delete_netns(ns)
-        self.hosts, self.cgroups, self._made = {}, {}, []
+        self.hosts, self.cgroups, self.spares, self._made = {}, {}, {}, []
         leftovers.forget(self)
 
     def __enter__(self) -> Rig:
