@@ -1,11 +1,11 @@
 """The head's path service: on every interface, at Ray's port + 1, it answers joining Macs that hold the cluster's
 token with the head's addresses, echoes for latency and a sink for rate (the protocol: raytrm.distributed.paths).
 
-It also advertises the head by mDNS (DNS-SD `_raytrm._tcp`), so that `raytrm cluster join` with no address finds
-it (raytrm.distributed.discovery). `raytrm cluster head` starts it as a small process of its own beside Ray's head
-(`python -m raytrm.distributed.path_service`), which stops when `raytrm cluster stop` stops it or, whatever stopped
-Ray (`ray stop`, a crash), within seconds of Ray's head no longer answering: nothing is left behind. Its pid file and
-log live in Ray's /tmp/ray.
+It also advertises the head by mDNS (DNS-SD `_raytrm._tcp`) on the addresses the Mac has at each moment, so that
+`raytrm cluster join` with no address finds it (raytrm.distributed.discovery). `raytrm cluster head` starts it as a
+small process of its own beside Ray's head (`python -m raytrm.distributed.path_service`), which stops when `raytrm
+cluster stop` stops it or, whatever stopped Ray (`ray stop`, a crash), within seconds of Ray's head no longer
+answering: nothing is left behind. Its pid file and log live in Ray's /tmp/ray.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ PID_FILE, LOG_FILE = RUN_DIR / "raytrm_paths.pid", RUN_DIR / "raytrm_paths.log"
 MODULE = "raytrm.distributed.path_service"
 #: How often it asks whether Ray's head still answers, and after how many misses in a row it stops.
 WATCH_S, WATCH_MISSES = 2.0, 3
+#: How often the head's mDNS record is checked against this Mac's addresses.
+READVERTISE_S = 10.0
 #: A sink counts at most this much: a client cannot keep it busy for long.
 SINK_LIMIT = 2**31
 START_S, STOP_S = 20.0, 5.0
@@ -114,11 +116,53 @@ def _watch(service: Service, ray_address: str) -> None:
     service.shutdown()
 
 
-def _advertise(ray_port: int, port: int, adverts: list[discovery.Advert]) -> None:
-    try:
-        adverts.append(discovery.Advert(ray_port, port))
-    except Exception as error:  # no multicast here: joining by address still works
-        logger.warning("the head is not advertised by mDNS (%s): join it by its address", error)
+class Advertising:
+    """The head's mDNS record on this Mac's interfaces, made again whenever their addresses change (a Wi-Fi network
+    rejoined, a Thunderbolt bridge plugged in), checked every `every` seconds until `stop`. `make` makes a record
+    (discovery.Advert; a test's stand-in)."""
+
+    def __init__(
+        self,
+        ray_port: int,
+        port: int,
+        every: float = READVERTISE_S,
+        make: Callable[..., discovery.Advert] | None = None,
+    ) -> None:
+        self.ray_port, self.port, self.every = ray_port, port, every
+        self.make = make or discovery.Advert
+        self.advert: discovery.Advert | None = None
+        self.shown: list[str] | None = None  # the addresses of the record now out
+        self._stop, self._lock = threading.Event(), threading.Lock()
+
+    def run(self) -> None:
+        while True:
+            found = paths.interfaces()
+            addresses = [i.ip for i in found]
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                if addresses != self.shown:
+                    self._close()
+                    if self.shown is not None:
+                        logger.info("this Mac's addresses changed to %s: advertised again", ", ".join(addresses))
+                    self.shown = addresses
+                    try:
+                        self.advert = self.make(self.ray_port, self.port, found)
+                    except Exception as error:  # no multicast here: joining by address still works
+                        logger.warning("the head is not advertised by mDNS (%s): join it by its address", error)
+            if self._stop.wait(self.every):
+                return
+
+    def _close(self) -> None:
+        if self.advert is not None:
+            self.advert.close()
+            self.advert = None
+
+    def stop(self) -> None:
+        """Take the record down (a goodbye on the network); the thread ends at its next look."""
+        with self._lock:
+            self._stop.set()
+            self._close()
 
 
 def serve(
@@ -129,9 +173,9 @@ def serve(
     from raytrm.distributed.tokens import read_token
 
     service = Service(port, read_token(token_file), paths.interfaces)
-    adverts: list[discovery.Advert] = []
-    if advertise is not None:  # beside the service: mDNS's probing for the name takes a second or two
-        threading.Thread(target=_advertise, args=(advertise, port, adverts), name="raytrm-mdns", daemon=True).start()
+    advertising = Advertising(advertise, port) if advertise is not None else None
+    if advertising is not None:  # beside the service: mDNS's probing for the name takes a second or two
+        threading.Thread(target=advertising.run, name="raytrm-mdns", daemon=True).start()
 
     def on_term(signum: int, frame: object) -> None:
         raise SystemExit(0)
@@ -144,8 +188,8 @@ def serve(
             threading.Thread(target=_watch, args=(service, ray_address), name="raytrm-watch", daemon=True).start()
         service.serve_forever(poll_interval=0.5)
     finally:
-        for advert in adverts:
-            advert.close()
+        if advertising is not None:
+            advertising.stop()
         service.server_close()
         if pid_file is not None:
             with contextlib.suppress(OSError):

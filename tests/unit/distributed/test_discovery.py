@@ -4,6 +4,8 @@ sent here (the browse is a stand-in); tests/cluster/test_cluster.py joins a head
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -98,3 +100,30 @@ def test_the_record_carries_the_heads_addresses_and_both_ports(monkeypatch):
     assert info is advert.info and info.name == f"studio.{discovery.SERVICE}" and info.port == 6380
     assert info.parsed_addresses() == ["192.168.1.21", "169.254.10.2"]
     assert discovery._head(info) == Head("studio", ("192.168.1.21", "169.254.10.2"), 6379, 6380)
+
+
+def test_the_heads_record_is_made_again_when_its_macs_addresses_change_and_taken_down_at_stop(monkeypatch):
+    now = [[WIFI], [WIFI], [WIFI, BRIDGE], [WIFI, BRIDGE]]
+    monkeypatch.setattr(paths, "interfaces", lambda: now.pop(0) if len(now) > 1 else now[0])
+
+    class Record:
+        def __init__(self, ray_port, paths_port, interfaces):
+            self.addresses, self.closed = [i.ip for i in interfaces], False
+            made.append(self)
+
+        def close(self):
+            self.closed = True
+
+    made: list[Record] = []
+    advertising = path_service.Advertising(6379, 6380, every=0.01, make=Record)
+    looking = threading.Thread(target=advertising.run)
+    looking.start()
+    deadline = time.monotonic() + 10
+    while len(made) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    advertising.stop()
+    looking.join(timeout=10)
+    assert not looking.is_alive()
+    seen = [r.addresses for r in made]
+    assert seen == [["192.168.1.21"], ["192.168.1.21", "169.254.10.2"]]  # once per change, not at every look
+    assert [r.closed for r in made] == [True, True]  # the old record goodbye'd at the change, the new one at stop
