@@ -10,6 +10,7 @@ import io
 import os
 import queue
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -27,12 +28,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: What the fork server imports once, before it forks any worker (see _context).
+PRELOAD = ["torch", "torch.distributed", "raytrm.train.trainer"]
+
+
+def _context() -> Any:
+    """Where the workers come from. On Linux, a fork server that imported torch once forks each (a fresh interpreter
+    spends about two seconds importing torch again, per worker, per call); elsewhere fresh interpreters, as macOS's
+    system frameworks do not survive a fork. A worker takes the caller's environment and working directory of the
+    moment either way (_worker), not the fork server's of its start."""
+    if sys.platform.startswith("linux"):
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        return context
+    return mp.get_context("spawn")
+
+
 def _worker(
-    rank: int, world_size: int, port: int, device: str, fn: Callable[..., Any], args: tuple, results: Any
+    rank: int,
+    world_size: int,
+    port: int,
+    device: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: Any,
+    environment: dict[str, str],
+    cwd: str,
 ) -> None:
     import torch.distributed as dist
 
     try:
+        os.environ.clear()
+        os.environ.update(environment)
+        os.chdir(cwd)
         # Processes that share a machine share its cores: torch's default pool in each would take them all, and
         # oversubscribed OpenMP pools stall for scheduler quanta at every parallel region. A config's threads win.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -58,16 +86,17 @@ def _worker(
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu", timeout_s: float = 600) -> list:
-    """Run fn(rank, world_size, device, *args) in world_size fresh processes joined in one process group.
+    """Run fn(rank, world_size, device, *args) in world_size new processes joined in one process group.
 
     fn must be importable (a module-level function). Returns the results in rank order; a rank that fails makes
     the others stop and raises with its traceback.
     """
-    context = mp.get_context("spawn")
+    context = _context()
     results = context.Queue()
     port = free_port()
+    here = (dict(os.environ), os.getcwd())
     procs = [
-        context.Process(target=_worker, args=(rank, world_size, port, device, fn, args, results), daemon=True)
+        context.Process(target=_worker, args=(rank, world_size, port, device, fn, args, results, *here), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
