@@ -51,10 +51,12 @@ def test_a_stopped_worker_costs_a_deadline_and_comes_back(ray_cluster, puzzles, 
     end = time.time() + 300
     while (_deadline(run_dir) is None or steps_logged(run_dir) < 25) and time.time() < end:  # the deadline measured
         time.sleep(0.2)
+    deadline = _deadline(run_dir)
+    assert deadline is not None, "the run logged no deadline event in 300 s"
     os.kill(second, signal.SIGSTOP)
     # Stopped for longer than twice the deadline, however long a loaded machine's steps made it: the other worker
     # gives it up at the deadline, then goes on alone for a while before it answers again.
-    time.sleep(max(8.0, 2 * _deadline(run_dir) + 2))
+    time.sleep(max(8.0, 2 * deadline + 2))
     os.kill(second, signal.SIGCONT)
     runner.join(timeout=600)
     summary = done["summary"]
