@@ -183,7 +183,10 @@ class ShareBalancer:
 
     It fits each worker's line to its observations of the latest `window` steps, at least two (one per step, or one
     per local round), leaving out the first `warmup_steps`, and moves the shares when the lines predict a step at least
-    `min_gain` faster, checked every `interval` steps."""
+    `min_gain` faster, checked every `interval` steps. A smaller gain, at least `small_gain`, moves them once the same
+    shares are proposed at `patience` decisions in a row: one sample more or less is a large part of a small share
+    (a sixteenth of a MacBook's 16), and the step it saves is saved at every step after, while a proposal drawn by one
+    slow step changes before it stands that long."""
 
     def __init__(
         self,
@@ -195,18 +198,24 @@ class ShareBalancer:
         warmup_steps: int = 1,
         min_gain: float = 0.05,
         interval: int = 1,
+        small_gain: float = 0.005,
+        patience: int = 3,
     ) -> None:
         self.shares = list(shares) if shares is not None else split(global_batch, [1.0] * world_size)
         if len(self.shares) != world_size or sum(self.shares) != global_batch or min(self.shares, default=0) < 1:
             raise ValueError(f"shares {self.shares} must be {world_size} numbers >= 1 summing to {global_batch}")
-        if window < 2 or warmup_steps < 0 or interval < 1 or not 0 <= min_gain < 1:
+        if window < 2 or warmup_steps < 0 or interval < 1 or not 0 <= small_gain <= min_gain < 1 or patience < 1:
             raise ValueError(
                 f"balancer window={window} (>= 2), warmup_steps={warmup_steps} (>= 0), interval={interval} (>= 1), "
-                f"min_gain={min_gain} (in [0, 1)): one is out of range"
+                f"min_gain={min_gain} (in [0, 1)), small_gain={small_gain} (in [0, min_gain]), patience={patience} "
+                "(>= 1): one is out of range"
             )
         self.global_batch, self.world_size = global_batch, world_size
         self.caps = list(caps) if caps is not None else None
         self.window, self.warmup_steps, self.min_gain, self.interval = window, warmup_steps, min_gain, interval
+        self.small_gain, self.patience = small_gain, patience
+        #: The shares of a small gain proposed at the latest decisions, and at how many in a row.
+        self._pending: tuple[list[int], int] | None = None
         self.events: list[Rebalance] = []
         self._seen = 0
         self._points: list[list[tuple[int, float]]] = [[] for _ in range(world_size)]
@@ -257,8 +266,8 @@ class ShareBalancer:
         return None
 
     def decide(self, step: int) -> Rebalance | None:
-        """Adopt new shares when the fitted lines predict a step at least min_gain faster, or at once when a worker
-        holds more samples than its cap; else None."""
+        """Adopt new shares when the fitted lines predict a step at least min_gain faster (small_gain, once proposed
+        at `patience` decisions in a row), or at once when a worker holds more samples than its cap; else None."""
         caps = self.caps or [None] * self.world_size
         over = [i for i, (b, c) in enumerate(zip(self.shares, caps, strict=True)) if c is not None and b > c]
         memory = _over_caps(over, self.shares, caps) if over else None
@@ -273,14 +282,29 @@ class ShareBalancer:
             models = [fit_time(p) for p in self._points]
             proposal = balanced(self.global_batch, models, self.caps)
             now, then = (max(map(LinearTime.predict, models, shares)) for shares in (self.shares, proposal))
-            if proposal == self.shares or (memory is None and then > now * (1 - self.min_gain)):
+            if proposal == self.shares:
+                self._pending = None
                 return None
-            event = Rebalance(
-                step, list(self.shares), proposal, now, then, memory or _reason(models, self.shares, now, then)
-            )
+            if memory is None and not self._worth(proposal, now, then):
+                return None
+            reason = memory or _reason(models, self.shares, now, then)
+            if memory is None and then > now * (1 - self.min_gain):
+                reason += f", proposed at {self.patience} decisions in a row"
+            event = Rebalance(step, list(self.shares), proposal, now, then, reason)
         self.events.append(event)
-        self.shares = proposal
+        self.shares, self._pending = proposal, None
         return event
+
+    def _worth(self, proposal: list[int], now: float, then: float) -> bool:
+        """Whether a move saves enough: min_gain at once, small_gain once proposed at `patience` decisions in a row."""
+        if then <= now * (1 - self.min_gain):
+            return True
+        if then > now * (1 - self.small_gain):
+            self._pending = None
+            return False
+        seen = self._pending[1] + 1 if self._pending is not None and self._pending[0] == proposal else 1
+        self._pending = (list(proposal), seen)
+        return seen >= self.patience
 
     def state_dict(self) -> dict:
         """Shares, kept observations and events as plain lists, numbers and strings."""
@@ -288,6 +312,7 @@ class ShareBalancer:
             "shares": list(self.shares),
             "points": [[[b, t] for b, t in points] for points in self._points],
             "events": [e.to_event() for e in self.events],
+            "pending": None if self._pending is None else [list(self._pending[0]), self._pending[1]],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -295,7 +320,7 @@ class ShareBalancer:
 
         The warm-up starts again either way: a resumed process pays its one-time costs anew.
         """
-        self._seen = 0
+        self._seen, self._pending = 0, None
         if len(state["shares"]) != self.world_size or sum(state["shares"]) != self.global_batch:
             self._points, self._steps = [[] for _ in range(self.world_size)], []
             return
@@ -303,3 +328,5 @@ class ShareBalancer:
         self._points = [[(int(b), float(t)) for b, t in points] for points in state["points"]]
         self._steps = [1] * len(self._points[0]) if self._points else []  # each saved point: at least one step
         self.events = [Rebalance.from_event(e) for e in state["events"]]
+        pending = state.get("pending")  # absent from a checkpoint written before small gains waited
+        self._pending = None if pending is None else ([int(b) for b in pending[0]], int(pending[1]))
