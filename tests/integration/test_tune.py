@@ -148,7 +148,7 @@ def test_resume_after_the_driver_is_killed(ray_cluster, tmp_path):
     import ray
 
     run = tmp_path / "run"
-    path = space_file(tmp_path, "resume", trials=3)
+    path = space_file(tmp_path, "resume", trials=2)
     address = ray.get_runtime_context().gcs_address
     log = tmp_path / "driver.log"
     with log.open("w") as out:
@@ -177,10 +177,10 @@ def test_resume_after_the_driver_is_killed(ray_cluster, tmp_path):
             os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
     before = {t.number: (t.params, t.values) for t in complete(study(run, name))}
-    assert 1 <= len(before) < 3
+    assert len(before) == 1  # killed at the first trial's end, the second under way
     run_tune(resume=str(run), stream=io.StringIO())
     after = complete(study(run, name))
-    assert len(after) == 3
+    assert len(after) == 2
     assert {t.number: (t.params, t.values) for t in after if t.number in before} == before  # kept, not rerun
     all_trials = study(run, name).trials
     assert all(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) for t in all_trials)
