@@ -285,20 +285,19 @@ class ShareBalancer:
             if proposal == self.shares:
                 self._pending = None
                 return None
-            if memory is None and not self._worth(proposal, now, then):
+            patient = memory is None and then > now * (1 - self.min_gain)  # under min_gain: a small gain at most
+            if patient and not self._stood(proposal, now, then):
                 return None
             reason = memory or _reason(models, self.shares, now, then)
-            if memory is None and then > now * (1 - self.min_gain):
+            if patient:
                 reason += f", proposed at {self.patience} decisions in a row"
             event = Rebalance(step, list(self.shares), proposal, now, then, reason)
         self.events.append(event)
         self.shares, self._pending = proposal, None
         return event
 
-    def _worth(self, proposal: list[int], now: float, then: float) -> bool:
-        """Whether a move saves enough: min_gain at once, small_gain once proposed at `patience` decisions in a row."""
-        if then <= now * (1 - self.min_gain):
-            return True
+    def _stood(self, proposal: list[int], now: float, then: float) -> bool:
+        """Whether a move under min_gain saves small_gain and has been proposed at `patience` decisions in a row."""
         if then > now * (1 - self.small_gain):
             self._pending = None
             return False
