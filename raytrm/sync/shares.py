@@ -186,7 +186,9 @@ class ShareBalancer:
     `min_gain` faster, checked every `interval` steps. A smaller gain, at least `small_gain`, moves them once the same
     shares are proposed at `patience` decisions in a row: one sample more or less is a large part of a small share
     (a sixteenth of a MacBook's 16), and the step it saves is saved at every step after, while a proposal drawn by one
-    slow step changes before it stands that long."""
+    slow step changes before it stands that long. A gain within `noise_z` standard errors of the fitted times (their
+    jitter about the lines: steps of tens of milliseconds on a busy machine) waits the same way, however large: with
+    times that jitter by a fifth, moving at once would move the shares every few steps and to no faster ones."""
 
     def __init__(
         self,
@@ -200,20 +202,22 @@ class ShareBalancer:
         interval: int = 1,
         small_gain: float = 0.005,
         patience: int = 3,
+        noise_z: float = 2.0,
     ) -> None:
         self.shares = list(shares) if shares is not None else split(global_batch, [1.0] * world_size)
         if len(self.shares) != world_size or sum(self.shares) != global_batch or min(self.shares, default=0) < 1:
             raise ValueError(f"shares {self.shares} must be {world_size} numbers >= 1 summing to {global_batch}")
-        if window < 2 or warmup_steps < 0 or interval < 1 or not 0 <= small_gain <= min_gain < 1 or patience < 1:
+        ranges = (window >= 2, warmup_steps >= 0, interval >= 1, 0 <= small_gain <= min_gain < 1, patience >= 1)
+        if not all(ranges) or not noise_z >= 0:
             raise ValueError(
                 f"balancer window={window} (>= 2), warmup_steps={warmup_steps} (>= 0), interval={interval} (>= 1), "
                 f"min_gain={min_gain} (in [0, 1)), small_gain={small_gain} (in [0, min_gain]), patience={patience} "
-                "(>= 1): one is out of range"
+                f"(>= 1), noise_z={noise_z} (>= 0): one is out of range"
             )
         self.global_batch, self.world_size = global_batch, world_size
         self.caps = list(caps) if caps is not None else None
         self.window, self.warmup_steps, self.min_gain, self.interval = window, warmup_steps, min_gain, interval
-        self.small_gain, self.patience = small_gain, patience
+        self.small_gain, self.patience, self.noise_z = small_gain, patience, noise_z
         #: The shares of a small gain proposed at the latest decisions, and at how many in a row.
         self._pending: tuple[list[int], int] | None = None
         self.events: list[Rebalance] = []
@@ -266,8 +270,9 @@ class ShareBalancer:
         return None
 
     def decide(self, step: int) -> Rebalance | None:
-        """Adopt new shares when the fitted lines predict a step at least min_gain faster (small_gain, once proposed
-        at `patience` decisions in a row), or at once when a worker holds more samples than its cap; else None."""
+        """Adopt new shares when the fitted lines predict a step at least min_gain faster and beyond their noise
+        (small_gain, once proposed at `patience` decisions in a row), or at once when a worker holds more samples than
+        its cap; else None."""
         caps = self.caps or [None] * self.world_size
         over = [i for i, (b, c) in enumerate(zip(self.shares, caps, strict=True)) if c is not None and b > c]
         memory = _over_caps(over, self.shares, caps) if over else None
@@ -285,16 +290,28 @@ class ShareBalancer:
             if proposal == self.shares:
                 self._pending = None
                 return None
-            patient = memory is None and then > now * (1 - self.min_gain)  # under min_gain: a small gain at most
+            noise = self.noise_z * self._noise(models)
+            patient = memory is None and then > now * (1 - max(self.min_gain, noise))  # waits for `patience`
             if patient and not self._stood(proposal, now, then):
                 return None
             reason = memory or _reason(models, self.shares, now, then)
             if patient:
-                reason += f", proposed at {self.patience} decisions in a row"
+                within = f" (within the times' noise, {noise:.1%})" if noise > self.min_gain else ""
+                reason += f", proposed at {self.patience} decisions in a row{within}"
             event = Rebalance(step, list(self.shares), proposal, now, then, reason)
         self.events.append(event)
         self.shares, self._pending = proposal, None
         return event
+
+    def _noise(self, models: Sequence[LinearTime]) -> float:
+        """The fitted step times' relative standard error, the largest of the workers': each worker's spread about
+        its line (1.4826 median absolute deviations, a standard deviation for normal jitter) over the root of its
+        points, times 1.25 for a median's."""
+        worst = 0.0
+        for model, points in zip(models, self._points, strict=True):
+            spread = 1.4826 * statistics.median(abs(t / model.predict(b) - 1) for b, t in points)
+            worst = max(worst, 1.25 * spread / math.sqrt(len(points)))
+        return worst
 
     def _stood(self, proposal: list[int], now: float, then: float) -> bool:
         """Whether a move under min_gain saves small_gain and has been proposed at `patience` decisions in a row."""

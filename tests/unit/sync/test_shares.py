@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import random
 
 import pytest
 
@@ -270,6 +271,30 @@ def test_a_small_gain_waiting_its_turn_is_saved_and_resumed():
     assert [e.step for e in run(older, lambda step: lines, range(5, 12))] == [7]
 
 
+def test_times_that_jitter_by_a_fifth_move_the_shares_a_few_times_not_every_few_steps():
+    # A Studio and two MacBooks on steps of tens of milliseconds, each step's time off its line by a fifth
+    # (lognormal, seeded): the best shares stay [12, 6, 6] throughout.
+    lines = [LinearTime(0.004, 0.0005), LinearTime(0.004, 0.001), LinearTime(0.004, 0.001)]
+    jitter = random.Random(0)
+    noisy = [[jitter.lognormvariate(0, 0.2) for _ in lines] for _ in range(300)]
+
+    def moves(balancer: ShareBalancer) -> tuple[list[Rebalance], float]:
+        """The rebalances, and the mean step the shares held would take without the jitter."""
+        events, total = [], 0.0
+        for step, factors in enumerate(noisy, start=1):
+            total += max(m.predict(b) for m, b in zip(lines, balancer.shares, strict=True))
+            times = [m.predict(b) * f for m, b, f in zip(lines, balancer.shares, factors, strict=True)]
+            balancer.observe(step, times)
+            events += [e for e in [balancer.decide(step)] if e is not None]
+        return events, total / len(noisy)
+
+    eager, eager_step = moves(ShareBalancer(24, 3, noise_z=0.0))  # a 5% gain moves at once, whatever the noise
+    steady, steady_step = moves(ShareBalancer(24, 3))
+    assert len(eager) > 50 and len(steady) < 30, (len(eager), len(steady))
+    assert steady_step <= eager_step  # fewer moves, to shares no slower (the best: [12, 6, 6], 10 ms a step)
+    assert any("decisions in a row (within the times' noise" in e.reason for e in steady)
+
+
 def test_balancer_follows_a_worker_that_slows_down():
     fast, slow = [LinearTime(0.0, 0.01), LinearTime(0.0, 0.02)], [LinearTime(0.0, 0.01), LinearTime(0.0, 0.04)]
     balancer = ShareBalancer(90, 2)
@@ -326,6 +351,8 @@ def test_balancer_rejects_bad_settings():
         ShareBalancer(90, 3, shares=[45, 45])
     with pytest.raises(ValueError, match="window=1"):
         ShareBalancer(90, 2, window=1)
+    with pytest.raises(ValueError, match=r"noise_z=-1.0 \(>= 0\)"):
+        ShareBalancer(90, 2, noise_z=-1.0)
     with pytest.raises(ValueError, match="2 step times for 3 workers"):
         ShareBalancer(90, 3).observe(0, [1.0, 1.0])
 
