@@ -19,12 +19,13 @@ iteration:
 After the last step, the sync strategy lands what it holds, then `finish` (final evaluation, last checkpoint). In
 a run whose workers may come and go (`regroup`: raytrm.train.elastic), a peer lost in any collective of an
 iteration sends the loop to the next membership, after which the iteration runs again (the step redone, or
-skipped by a worker that takes a peer's state past it); at the first boundary where the workers exchange past each
-multiple of ADMIT_EVERY steps, the members agree whether a worker waits to join, and admit it. Any other failure
-ends the run with the exception; what the hooks hold (a metrics file) is closed by whoever built them. A new
-behaviour (a health check, another stop rule) is one more hook, picked by the runs that need it; `stop_reason` says
-why a run ended. A hook reads the loop's state (`probing`, `exchanging`, the clock) but never writes it: what it
-decides, it returns.
+skipped by a worker that takes a peer's state past it), or the next one where the step ran and only its sync after
+it failed (a local round's sum): that step stands, and the hooks that record it do so at the regroup
+(`on_regroup`); at the first boundary where the workers exchange past each multiple of ADMIT_EVERY steps, the
+members agree whether a worker waits to join, and admit it. Any other failure ends the run with the exception;
+what the hooks hold (a metrics file) is closed by whoever built them. A new behaviour (a health check, another stop
+rule) is one more hook, picked by the runs that need it; `stop_reason` says why a run ended. A hook reads the loop's
+state (`probing`, `exchanging`, the clock) but never writes it: what it decides, it returns.
 """
 
 from __future__ import annotations
@@ -172,7 +173,8 @@ class Loop:
     ) -> None:
         self.trainer, self.hooks, self.clock = trainer, list(hooks), clock
         self.regroup = regroup
-        self.last_step: Step | None = None  # the latest step, as the loop measured it (its sync's wait included)
+        #: The latest step that ran, as the loop measured it (its sync's wait included, once the sync returned).
+        self.last_step: Step | None = None
         self._membership_events: list[dict[str, Any]] = []  # a change of workers, for the next step's events
         self.measure_peak, self.logged = measure_peak, logged
         self.stop_reason: str | None = None
@@ -296,13 +298,13 @@ class Loop:
             result = trainer.train_step(on_out_of_memory=self.on_out_of_memory)
         self.train_seconds += result.seconds
         step = Step(result, peak_bytes, logged=self.logged(trainer.step))
+        self.last_step = step  # the step ran, whether or not its sync below reaches every peer
         synced = trainer.strategy.after_step(result.seconds, result.sync_seconds, probing=self.probing)
         self._charge(step, synced.waited_s)
         self.exchanging = synced.exchanging
         step.events += synced.events
         step.events, self._membership_events = self._membership_events + step.events, []
         self.step_end = self.now()
-        self.last_step = step
         return step
 
     def _recut(self) -> None:

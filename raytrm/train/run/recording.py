@@ -36,13 +36,27 @@ class MetricsRows(Hook):
         self.window_seconds, self.window_samples = 0.0, 0
         self.window_sync, self.window_steps = 0.0, 0  # this worker's seconds waiting on sync, and the steps
         self.last_accuracy: float | None = None  # of the latest step in which some sequence halted
+        self.recorded = 0  # the latest step recorded
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.log is not None:
             self.log.write(record)
 
+    def on_regroup(self, loop: Loop) -> None:
+        """A step that ran and then lost a peer in its sync (a local round's sum at its end) ended without its
+        `end_step`; where the new membership kept this worker at it (not redone, not passed by a peer's state), it
+        stands: its row now, without the peers' rows, which were not exchanged, and without an evaluation due there,
+        which would hold the others on the membership while they go on."""
+        step = loop.last_step
+        if step is not None and step.result.step == self.trainer.step > self.recorded:
+            self._record(step, scores=False)
+
     def end_step(self, loop: Loop, step: Step) -> None:
+        self._record(step, scores=True)
+
+    def _record(self, step: Step, scores: bool) -> None:
         trainer, result = self.trainer, step.result
+        self.recorded = trainer.step
         for event in step.events:
             self._write(event)
         self.window_seconds += result.seconds
@@ -73,7 +87,8 @@ class MetricsRows(Hook):
             record["workers"] = step.workers
         self.window_seconds, self.window_samples = 0.0, 0
         self.window_sync, self.window_steps = 0.0, 0
-        record.update(self.scores(trainer.step))
+        if scores:
+            record.update(self.scores(trainer.step))
         self._write(record)
         shown = {"samples/s": record["samples_per_sec"]}
         if "tokens_per_sec" in record:

@@ -9,6 +9,8 @@ from raytrm import config as cfg
 from raytrm.train.loop import ORDER, Cut, Hook, Loop, Pause, Scale, Stop, Threads
 from raytrm.train.optim import lr_at
 from raytrm.train.run.evaluations import Evaluations
+from raytrm.train.run.metrics import MetricsLog, Progress, read_metrics
+from raytrm.train.run.recording import MetricsRows
 from raytrm.train.run.stop_rules import SampleLimit, StepLimit
 from raytrm.train.run.training import run_training
 from raytrm.train.trainer import Trainer
@@ -191,6 +193,38 @@ def test_a_lost_peer_sends_the_loop_to_the_next_membership_and_a_join_is_admitte
     assert regroup.asked == [10]
     # each change is an event of the step after it
     assert "membership" in dict(rows)[4] and "membership" in dict(rows)[11]
+
+
+def test_a_step_whose_rounds_sum_lost_a_peer_keeps_its_metrics_row(tiny, tmp_path):
+    """A local round's sum at the end of step 3 misses its deadline: the step ran and stands after the next
+    membership, so it gets its row (every step one row), without an evaluation due there."""
+    trainer = Trainer(tiny())
+    after_step, failed = trainer.strategy.after_step, []
+
+    def losing_at_3(*args, **kwargs):
+        if trainer.step == 3 and not failed:
+            failed.append(3)
+            raise RuntimeError("[gloo/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete")
+        return after_step(*args, **kwargs)
+
+    trainer.strategy.after_step = losing_at_3
+
+    class Regrouping(ScriptedRegroup):  # as raytrm.train.elastic does once the new members hold the state
+        def recover(self, loop):
+            for hook in loop.hooks:
+                hook.on_regroup(loop)
+            return super().recover(loop)
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    rows = MetricsRows(trainer, log, Progress(None, None, enabled=False), lambda step: {"scored": step})
+    loop = Loop(trainer, [rows, StepLimit(6)], measure_peak=False, logged=lambda step: True, regroup=Regrouping())
+    assert loop.run() == "steps reached"
+    log.close()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    steps = [r["step"] for r in records if "event" not in r]
+    assert failed == [3] and steps == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in records if "scored" not in r] == [3, 3]  # the row, then the membership event
+    assert records[3] == {"event": "membership", "step": 3}
 
 
 def test_an_error_that_is_not_a_lost_peer_ends_the_run(tiny):
