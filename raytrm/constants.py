@@ -18,6 +18,10 @@ DEFAULT_LOG_LEVEL = "INFO"
 #: `raytrm train` started as a job joins the cluster it was submitted to without --address.
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 
+#: torch's gloo: the network interface its sockets bind and advertise. A cluster's run sets it on every worker to the
+#: interface of the network its fastest paths share (raytrm.distributed.gloo_path).
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+
 #: Ray custom resource every raytrm node advertises one unit of: a tuning trial takes it, so trials that share a
 #: machine never run at once while different machines run in parallel.
 RESOURCE_MACHINE = "raytrm_machine"

@@ -50,8 +50,8 @@ def probe(
 
     import torch.distributed as dist
 
+    from raytrm.constants import GLOO_IFNAME_ENV
     from raytrm.distributed.gloo_path import bind
-    from raytrm.distributed.node import GLOO_IFNAME_ENV
     from raytrm.hardware import device as devices
     from raytrm.sync.process_group import ProcessGroupSync
 

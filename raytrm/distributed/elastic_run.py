@@ -29,9 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from raytrm.constants import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV, RESOURCE_MACHINE
+from raytrm.constants import DEFAULT_LOG_LEVEL, GLOO_IFNAME_ENV, LOG_LEVEL_ENV, RESOURCE_MACHINE
 from raytrm.distributed import gloo_path
-from raytrm.distributed.node import GLOO_IFNAME_ENV
 from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from raytrm.distributed.node import GLOO_IFNAME_ENV, PATH_HEAD_LABEL, PATH_LABEL
+from raytrm.constants import GLOO_IFNAME_ENV
+from raytrm.distributed.node import PATH_HEAD_LABEL, PATH_LABEL
 from raytrm.distributed.paths import Interface
 
 logger = logging.getLogger(__name__)

@@ -17,14 +17,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from raytrm.constants import RESOURCE_MACHINE, tier_resource
+from raytrm.constants import GLOO_IFNAME_ENV, RESOURCE_MACHINE, tier_resource
 from raytrm.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 6379
 DASHBOARD_PORT = 8265
-GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # torch's gloo: the interface its sockets bind and advertise
 #: Node label keys (Kubernetes syntax, as Ray requires): the tier, the memory budget and the versions `join` checks.
 LABEL_PREFIX = "raytrm/"
 VERSION_KEYS = ("python", "ray", "torch", "raytrm")

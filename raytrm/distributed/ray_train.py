@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrm import config as cfg
-from raytrm.constants import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV, RESOURCE_MACHINE
-from raytrm.distributed.node import GLOO_IFNAME_ENV
+from raytrm.constants import DEFAULT_LOG_LEVEL, GLOO_IFNAME_ENV, LOG_LEVEL_ENV, RESOURCE_MACHINE
 from raytrm.distributed.workers import (
     MACHINE_FIELDS,
     Node,

@@ -13,8 +13,21 @@ def _choice(event: dict[str, Any]) -> str:
     every = f" H={event['every']}" if event.get("every") else ""
     overlap = f", the exchange {event['overlap']} step(s) behind" if event.get("overlap") else ""
     measured = event.get("measured_share")
-    drift = f" (measured share {measured:.1%})" if isinstance(measured, (int, float)) else ""
+    drift = f" (measured share {measured:.1%}{_link_change(event)})" if isinstance(measured, (int, float)) else ""
     return f"  step {event['step']}: {event['mode']}{every}{overlap}{drift}: {event.get('reason', '')}"
+
+
+def _link_change(event: dict[str, Any]) -> str:
+    """A choice made again on drift: the link measured again, through which interface, against the one before."""
+    now, before = event.get("link"), event.get("link_before")
+    if not now or not before:
+        return ""
+    through = f" through {event['interface']}" if event.get("interface") else ""
+    return f"; the link{through} {_mbit(now['mbit_s'])} Mbit/s, {_mbit(before['mbit_s'])} at step {before['step']}"
+
+
+def _mbit(rate: float) -> str:
+    return f"{rate:.0f}" if rate >= 100 else f"{rate:.1f}"
 
 
 def sync_lines(record: RunRecord) -> list[str]:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from raytrm.constants import GLOO_IFNAME_ENV
 from raytrm.hardware import device as devices
 from raytrm.sync.membership import group_timeout, set_group_timeout
 
@@ -41,6 +43,9 @@ class ProcessGroupSync:
             raise RuntimeError("ProcessGroupSync needs torch.distributed initialised (Ray Train or launch.spawn)")
         self.dist, self.group = dist, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        #: The network interface this worker's sums go through: the one gloo binds (GLOO_SOCKET_IFNAME, set where a
+        #: cluster's run chose the fastest path), None where the host's routes choose it or the backend is not gloo.
+        self.interface = os.environ.get(GLOO_IFNAME_ENV) if dist.get_backend(group) == "gloo" else None
         self.device = device
         self.comm_device = devices.collective_device(device)
         self.bucket_bytes = int(bucket_mb * 2**20)

@@ -281,6 +281,12 @@ class SyncStrategy:
             extra["step_s"] = step_s
         if measured is not None:
             extra["measured_share"] = measured
+        interface = getattr(self.sync, "interface", None)
+        if interface is not None:
+            extra["interface"] = interface
+        before = next((c for c in reversed(self.choices) if "link" in c), None) if measured is not None else None
+        if before is not None and self.link is not None:  # measured again on drift: the link it was
+            extra["link_before"] = {**before["link"], "step": before["step"]}
         event = choice.event(self.replica.step, **extra)
         self.choices.append(event)
         self._pending.append(event)
@@ -288,6 +294,16 @@ class SyncStrategy:
             every = f" H={choice.every}" if choice.every else ""
             overlap = f" overlap {choice.overlap}" if choice.overlap else ""
             logger.info("step %d: sync %s%s%s: %s", self.replica.step, choice.mode, every, overlap, choice.reason)
+            if before is not None and self.link is not None and self.link.bytes_per_s < _rate(before["link"]) / 2:
+                through = f" through {interface}" if interface else ""
+                logger.warning(
+                    "step %d: the sync's link%s measured again: %s, %.0f Mbit/s at step %d",
+                    self.replica.step,
+                    through,
+                    self.link.describe(),
+                    before["link"]["mbit_s"],
+                    before["step"],
+                )
 
     def _enter(self, mode: str, every: int | None, overlap: int) -> float:
         """Switch to a mode at a round's end (every rank at the same step); returns the seconds it waited."""
@@ -371,3 +387,8 @@ class SyncStrategy:
     def close(self) -> None:
         """Release what the mode holds on the model (the overlapped sum's hooks)."""
         self.mode.close()
+
+
+def _rate(link: dict[str, float]) -> float:
+    """Bytes a second of a link as an event records it (Link.to_dict)."""
+    return link["mbit_s"] * 1e6 / 8

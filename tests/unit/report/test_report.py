@@ -171,14 +171,18 @@ def test_the_sync_choices_and_the_share_of_waiting_over_time(write_run, capsys):
     choice = {"event": "sync-choice", "overlap": 0, "reason": "link 20.0 Mbit/s ...", "rank": 0}
     lines = [line(s, workers=rows([0.9, 0.9], [0.05, 0.05]), sync_s=0.05, sync_share=0.05) for s in range(1, 9)]
     lines.insert(3, {**choice, "step": 3, "mode": "local", "every": 4})
-    lines.insert(7, {**choice, "step": 6, "mode": "local", "every": 12, "measured_share": 0.14})
+    before = {"mbit_s": 940.0, "latency_ms": 0.2, "step": 3}
+    again = {"measured_share": 0.14, "link": {"mbit_s": 18.5, "latency_ms": 3.0}, "link_before": before}
+    lines.insert(7, {**choice, "step": 6, "mode": "local", "every": 12, **again, "interface": "bridge0"})
     summary = {"steps": 8, "sync_mode": "local", "sync_every": 12, "sync_share": {"run": 0.05, "workers": [0.04, 0.06]}}
     run = write_run(lines, summary)
     assert main(["report", str(run)]) == 0
     out = capsys.readouterr().out
     assert "sync: local H=12, 5.0% of step time waiting on sync (workers 4.0%, 6.0%); its choices:" in out
     assert "  step 3: local H=4: link 20.0 Mbit/s ..." in out
-    assert "  step 6: local H=12 (measured share 14.0%): link" in out
+    assert (
+        "  step 6: local H=12 (measured share 14.0%; the link through bridge0 18.5 Mbit/s, 940 at step 3): link" in out
+    )
     assert_png(run / "report" / "throughput.png")
 
 

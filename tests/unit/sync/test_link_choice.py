@@ -223,12 +223,13 @@ def test_the_run_chooses_from_the_faked_link_and_step(tiny):
     trainer.close()
 
 
-def test_a_drifting_share_measures_again_and_chooses_again(tiny, monkeypatch):
+def test_a_drifting_share_measures_again_and_chooses_again(tiny, monkeypatch, caplog):
     # A fast link (exact) that turns slow mid-run: the measured share leaves the prediction, the run re-measures
-    # and moves to local rounds, and says what it measured.
+    # and moves to local rounds, and says what it measured, through which interface, against the link before.
     monkeypatch.setattr(sync_modes, "CHECK_EVERY", 4)
     clock = FakeClock()
     sync = MirroredSync(Link(1e-5, 100_000 * MBIT), clock)
+    sync.interface = "bridge0"  # a Thunderbolt bridge, as a cluster's run binds it
     trainer = Trainer(tiny(training={"sync_mode": "auto", "sync_overlap": 0}), sync=sync)
     scripted_steps(trainer, 0.5, clock)
 
@@ -240,7 +241,12 @@ def test_a_drifting_share_measures_again_and_chooses_again(tiny, monkeypatch):
     choices = _run(trainer, [Slowdown()], steps=12)
     assert [c["mode"] for c in choices] == ["exact", "local"]
     assert choices[1]["measured_share"] > 0.05 and choices[1]["step"] >= 7
-    assert "measured_share" not in choices[0]
+    assert "measured_share" not in choices[0] and "link_before" not in choices[0]
+    assert choices[0]["interface"] == choices[1]["interface"] == "bridge0"
+    assert choices[1]["link"]["mbit_s"] == pytest.approx(5, rel=1e-3)
+    assert choices[1]["link_before"] == {**choices[0]["link"], "step": choices[0]["step"]}
+    said = f"step {choices[1]['step']}: the sync's link through bridge0 measured again: 5.0 Mbit/s and 1.00 ms a sum"
+    assert f"{said}, 100000 Mbit/s at step {choices[0]['step']}" in caplog.text
     trainer.close()
 
 

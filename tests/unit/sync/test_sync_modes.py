@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raytrm.constants import GLOO_IFNAME_ENV
 from raytrm.distributed.launch import spawn
 from raytrm.sync.process_group import ProcessGroupSync
 from raytrm.train import checkpoint as ckpt
@@ -62,13 +63,15 @@ def crossing_worker(rank, world_size, device):
         rows = sync.gather_floats([1.5])
         pending = sync.sum_tensors(deltas)
     pending.wait()
-    return rows, deltas
+    return rows, deltas, sync.interface
 
 
-def test_a_rounds_sum_in_flight_does_not_hold_up_the_small_exchanges():
+def test_a_rounds_sum_in_flight_does_not_hold_up_the_small_exchanges(monkeypatch):
     # On a slow link the rows and stop votes a round's boundary exchanges would otherwise wait out the whole sum.
-    (rows, deltas), (rows_1, _) = spawn(crossing_worker, 2, timeout_s=120)
+    monkeypatch.setenv(GLOO_IFNAME_ENV, "lo")  # gloo bound to an interface, as a cluster's run binds the fastest path
+    (rows, deltas, interface), (rows_1, _, interface_1) = spawn(crossing_worker, 2, timeout_s=120)
     assert rows == rows_1 == [[0.5], [1.5]]
+    assert interface == interface_1 == "lo"  # the sync knows the interface its sums go through (the report names it)
     assert torch.equal(deltas[0], torch.full((1000,), 6.0)) and torch.equal(deltas[1], torch.full((3,), 60.0))
 
 
