@@ -11,7 +11,9 @@ machine out until then. Here the driver instead:
   regroup within its deadline, raytrm.train.elastic);
 - every few seconds looks for raytrm machines with no worker (a Mac that joined the cluster, or came back with a new
   `raytrm cluster join`) and starts one there, which asks to join and is admitted at the next boundary with a live
-  peer's state;
+  peer's state; a Mac whose worker left gets none for LEFT_HOLD_S, since Ray lists a Mac killed or asleep until its
+  health checks give it up, and a worker started there would die without entering (a Mac that comes back joins the
+  cluster as a new node);
 - ends when the first worker (the head's, which writes the run directory) returns its summary.
 
 Each worker trains as a Ray Train worker would (raytrm.distributed.ray_train's machine settings per tier, the first
@@ -37,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between the driver's looks for machines with no worker.
 NODE_POLL_S = 5.0
+#: Seconds a Mac whose worker left gets no new one while Ray still lists it (Ray's health checks give a silent node up
+#: within tens of seconds; a Mac whose worker failed while the Mac stayed gets a new one after this).
+LEFT_HOLD_S = 60.0
 #: A collective's deadline before the run has measured its link and its steps (the next membership takes the
 #: measured one: raytrm.train.elastic).
 FIRST_DEADLINE_S = 60.0
@@ -81,11 +86,12 @@ def fit_elastic(
     for i in range(count):
         start(f"w{i:02d}", ordered[i].node_id if on_cluster else None, join=False)
     first, joined, next_look = "w00", count, time.monotonic() + NODE_POLL_S
+    left: dict[str, float] = {}  # a node whose worker left -> when
     try:
         while runs:
             done, _ = ray.wait(list(runs), num_returns=1, timeout=1.0)
             for ref in done:
-                name, _ = runs.pop(ref)
+                name, node_id = runs.pop(ref)
                 try:
                     ray.get(ref)
                 except Exception as error:  # a worker's failure, or its Mac gone: the membership goes on without it
@@ -95,14 +101,16 @@ def fit_elastic(
                     if name == first:
                         raise
                     logger.warning("worker %s left the run (%s)", name, failure_line(error))
+                    if node_id is not None:
+                        left[node_id] = time.monotonic()
                     continue
                 if name == first:
                     return
             if on_cluster and time.monotonic() >= next_look:
                 next_look = time.monotonic() + NODE_POLL_S
                 busy = {node_id for _, node_id in runs.values()}
-                for node in raytrm_nodes():
-                    if node.node_id not in busy and (grow or len(runs) < count):
+                for node in without_worker(raytrm_nodes(), busy, left, time.monotonic()):
+                    if grow or len(runs) < count:
                         logger.warning("a raytrm machine at %s has no worker: it joins the run", node.address)
                         start(f"w{joined:02d}", node.node_id, join=True)
                         joined += 1
@@ -110,6 +118,13 @@ def fit_elastic(
         store.set("finished", "1")
         for actor in actors.values():
             ray.kill(actor, no_restart=True)
+
+
+def without_worker(nodes: Sequence[Any], busy: set[str], left: dict[str, float], now: float) -> list[Any]:
+    """The raytrm machines to start a worker on now: those running none, but for a machine whose worker left less
+    than LEFT_HOLD_S ago (`left`: node id -> when)."""
+    held = {node_id for node_id, when in left.items() if now - when < LEFT_HOLD_S}
+    return [n for n in nodes if n.node_id not in busy | held]
 
 
 def _placement(node_id: str | None, on_cluster: bool, count: int) -> dict[str, Any]:
