@@ -18,7 +18,7 @@ from raytrm.report.classifier import score_lines
 from raytrm.report.diagnosis import NOT_RECORDED, Finding, diagnose, log_lines
 from raytrm.report.plots import write_run_plots
 from raytrm.report.runs import RunRecord, load_run
-from raytrm.report.sync import sync_lines
+from raytrm.report.sync import membership_lines, sync_lines
 from raytrm.train.run.directory import guard_output
 from raytrm.train.run.training import CONFIG_FILE, METRICS_FILE
 
@@ -131,6 +131,7 @@ def format_diagnosis(
     lines += score_lines(record)
     lines += [f"note: {note}" for note in record.notes]
     lines += sync_lines(record)
+    lines += membership_lines(record)
     if findings:
         lines.append("what limited it:")
         lines += [finding.format() for finding in findings]

@@ -153,7 +153,12 @@ def _check_line(record: Any, path: Path, number: int, text: str) -> None:
         raise ConfigError(
             where, "thermal_state", record["thermal_state"], f"one of {', '.join(THERMAL_STATES)}", DAMAGED
         )
-    for i, row in enumerate(record.get("workers") or []):
+    if "event" in record:  # a membership event names the workers that train together from its step
+        names = record.get("workers") or []
+        if not all(isinstance(name, str) for name in names):
+            raise ConfigError(where, "workers", names, "a list of worker names", DAMAGED)
+        return
+    for i, row in enumerate(record.get("workers") or []):  # a step line's: every worker's figures
         if not isinstance(row, dict):
             raise ConfigError(where, f"workers[{i}]", row, "a mapping of a worker's figures", DAMAGED)
         check_fields(row, where, WORKER_FIELDS, f"workers[{i}].", required=("rank",), fix=DAMAGED)

@@ -1,5 +1,6 @@
-"""The sync across workers as `raytrm report` tells it: the mode each choice took, when and why, and the share of
-the steps the workers spent waiting on each other (summary.json's, else the metrics lines')."""
+"""The sync across workers as `raytrm report` tells it: the mode each choice took, when and why, the share of the
+steps the workers spent waiting on each other, and in an `--elastic` run who left and who entered (summary.json's,
+else the metrics lines')."""
 
 from __future__ import annotations
 
@@ -46,3 +47,33 @@ def sync_lines(record: RunRecord) -> list[str]:
     mode = summary.get("sync_mode") or (choices[-1]["mode"] if choices else "?")
     every = f" H={summary['sync_every']}" if summary.get("sync_every") else ""
     return [f"sync: {mode}{every}, {share}; its choices:", *(_choice(e) for e in choices)]
+
+
+def membership_lines(record: RunRecord) -> list[str]:
+    """The report's lines on the workers of a run whose Macs came and went (`--elastic`): every change of who trains
+    together, at its step: who left and what the others waited, who entered, and the seconds the change took."""
+    changes = (record.summary or {}).get("membership")
+    if changes is None:
+        changes = [e for e in record.events if e.get("event") == "membership" and "workers" in e]
+    if not changes:
+        return []
+    return [
+        f"workers: {len(changes)} change(s) of who trains together, none restarting the run:",
+        *map(_change, changes),
+    ]
+
+
+def _change(change: dict[str, Any]) -> str:
+    moves = []
+    if change.get("left"):
+        waited = (
+            f"{change.get('waited_s', math.nan):.1f} s against a deadline of {change.get('deadline_s', math.nan):.1f} s"
+        )
+        moves.append(f"{', '.join(change['left'])} left (the others waited {waited})")
+    if change.get("entered"):
+        moves.append(f"{', '.join(change['entered'])} entered with a live peer's state")
+    if not moves:
+        moves.append("the same workers again, after a collective failed")
+    workers = change.get("workers") or []
+    took = f", the change {change['seconds']:.1f} s" if isinstance(change.get("seconds"), (int, float)) else ""
+    return f"  step {change['step']}: {'; '.join(moves)}; {len(workers)} training ({', '.join(workers)}){took}"

@@ -186,6 +186,31 @@ def test_the_sync_choices_and_the_share_of_waiting_over_time(write_run, capsys):
     assert_png(run / "report" / "throughput.png")
 
 
+def test_an_elastic_runs_report_says_who_left_and_who_entered(write_run, capsys):
+    left = {"event": "membership", "step": 25, "epoch": 1, "workers": ["w00", "w02"], "left": ["w01"], "entered": []}
+    left |= {"waited_s": 0.441, "deadline_s": 2.0, "seconds": 3.21}
+    entered = {"event": "membership", "step": 50, "epoch": 2, "workers": ["w00", "w02", "w03"], "left": []}
+    entered |= {"entered": ["w03"], "waited_s": 0.0, "deadline_s": 2.0, "seconds": 2.4}
+    lines = [line(s, workers=rows([0.9, 0.9], [0.05, 0.05])) for s in range(1, 60)]
+    lines.insert(26, left)
+    lines.insert(52, entered)
+    expected = [
+        "workers: 2 change(s) of who trains together, none restarting the run:",
+        "  step 25: w01 left (the others waited 0.4 s against a deadline of 2.0 s); 2 training (w00, w02), the change"
+        " 3.2 s",
+        "  step 50: w03 entered with a live peer's state; 3 training (w00, w02, w03), the change 2.4 s",
+    ]
+    for summary in (None, {"steps": 59, "membership": [left, entered]}):  # a run still going, and one that ended
+        run = write_run(lines, summary, name=f"run-{summary is None}")
+        assert main(["report", str(run)]) == 0
+        out = capsys.readouterr().out.splitlines()
+        start = out.index(expected[0])
+        assert out[start : start + 3] == expected
+    plain = write_run([line(s) for s in range(1, 5)], name="plain")
+    assert main(["report", str(plain)]) == 0
+    assert "workers:" not in capsys.readouterr().out
+
+
 def test_a_distributed_runs_report_names_its_log_files(write_run, capsys):
     run = write_run([line(s, workers=rows([0.9, 0.9], [0.05, 0.05])) for s in range(1, 5)])
     (run / "logs").mkdir()

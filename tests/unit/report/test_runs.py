@@ -88,6 +88,7 @@ def test_a_summary_in_binary_is_one_line(run, capsys):
         (b'{"step": 1, "workers": {"rank": 0}}\n', "line 1: workers: got {'rank': 0}, expected a list"),
         (b'{"step": 1, "workers": [1]}\n', "line 1: workers[0]: got 1, expected a mapping of a worker's figures"),
         (b'{"step": 1, "workers": [{"share": 4}]}\n', "line 1: workers[0].rank: got None, expected an integer"),
+        (b'{"step": 1, "event": "membership", "workers": [0]}\n', "line 1: workers: got [0], expected a list of wor"),
         (b'{"step": 1, "workers": [{"rank": 0, "compute_s": "1"}]}\n', "line 1: workers[0].compute_s: got '1', exp"),
         (b'{"step": 1}\n{"step": 2, "event": "choose", "micro_batch_to": "8"}\n', "line 2: micro_batch_to: got '8'"),
         (b'{"step": 1}\n{"step": 2, "event": "sync-choice"}\n', "line 2: mode: got None, expected a string"),
