@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from raytrm.cli import main
 from raytrm.distributed.ray_train import train_distributed
 from raytrm.train.run.metrics import read_metrics
 from tests.integration.test_distributed_train import experiment, puzzles  # noqa: F401 (a fixture)
@@ -39,7 +40,7 @@ def _deadline(run_dir) -> float | None:
     return events[-1]["deadline_s"] if events else None
 
 
-def test_a_stopped_worker_costs_a_deadline_and_comes_back(ray_cluster, puzzles, tmp_path):  # noqa: F811
+def test_a_stopped_worker_costs_a_deadline_and_comes_back(ray_cluster, puzzles, tmp_path, capsys):  # noqa: F811
     config = experiment(puzzles, steps=120)
     run_dir = tmp_path / "run"
     done: dict = {}
@@ -67,3 +68,8 @@ def test_a_stopped_worker_costs_a_deadline_and_comes_back(ray_cluster, puzzles, 
     assert left and entered and left[0]["step"] < entered[0]["step"]
     assert left[0]["waited_s"] < left[0]["deadline_s"] + 10  # the measured deadline, not the first 60 s
     assert summary["workers"] == 2  # back together at the end
+    # `raytrm report` reads the run, its membership events among its lines, and says who left and who came back.
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"  step {left[0]['step']}: w01 left (the others waited " in out, out
+    assert f"  step {entered[0]['step']}: w01 entered with a live peer's state; 2 training (w00, w01)" in out, out
