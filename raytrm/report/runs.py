@@ -109,6 +109,11 @@ WORKER_FIELDS = {
     "sync_s": "number",
     "samples_per_sec": "number",
 }
+#: Fields of a change of an `--elastic` run's workers (a `membership` event, and summary.json's `membership` list).
+MEMBERSHIP_FIELDS = {
+    **dict.fromkeys(("workers", "left", "entered"), "list"),
+    **dict.fromkeys(("waited_s", "deadline_s", "seconds"), "number"),
+}
 #: Fields of summary.json the report reads, with their kinds.
 SUMMARY_FIELDS = {
     **dict.fromkeys(("steps", "sync_every"), "int"),
@@ -130,7 +135,7 @@ SUMMARY_FIELDS = {
     ),
     **dict.fromkeys(("stop_reason", "device", "dtype", "peak_method", "sync_mode"), "str"),
     **dict.fromkeys(("threads", "sync_share"), "dict"),
-    **dict.fromkeys(("micro_batches", "eval_confusion", "eval_labels"), "list"),
+    **dict.fromkeys(("micro_batches", "eval_confusion", "eval_labels", "membership"), "list"),
 }
 DAMAGED = "the file is damaged: delete or repair that line"
 
@@ -154,9 +159,8 @@ def _check_line(record: Any, path: Path, number: int, text: str) -> None:
             where, "thermal_state", record["thermal_state"], f"one of {', '.join(THERMAL_STATES)}", DAMAGED
         )
     if "event" in record:  # a membership event names the workers that train together from its step
-        names = record.get("workers") or []
-        if not all(isinstance(name, str) for name in names):
-            raise ConfigError(where, "workers", names, "a list of worker names", DAMAGED)
+        if record["event"] == "membership":
+            _check_change(record, where, "", DAMAGED)
         return
     for i, row in enumerate(record.get("workers") or []):  # a step line's: every worker's figures
         if not isinstance(row, dict):
@@ -211,8 +215,21 @@ def read_summary(path: Path) -> dict[str, Any]:
         raise ConfigError(str(path), "micro_batches", summary["micro_batches"], "a list of integers", fix)
     if not all(_number(v) for v in shares.get("workers") or []):
         raise ConfigError(str(path), "sync_share.workers", shares["workers"], "a list of numbers", fix)
+    for i, change in enumerate(summary.get("membership") or []):
+        if not isinstance(change, dict) or not _number(change.get("step")):
+            raise ConfigError(str(path), f"membership[{i}]", change, "a mapping with a numeric step", fix)
+        _check_change(change, str(path), f"membership[{i}].", fix)
     _check_confusion(summary, str(path), fix)
     return summary
+
+
+def _check_change(change: dict[str, Any], where: str, prefix: str, fix: str) -> None:
+    """A change of an `--elastic` run's workers: its numbers, and its lists of worker names."""
+    check_fields(change, where, MEMBERSHIP_FIELDS, prefix, fix=fix)
+    for key in ("workers", "left", "entered"):
+        names = change.get(key) or []
+        if not all(isinstance(name, str) for name in names):
+            raise ConfigError(where, f"{prefix}{key}", names, "a list of worker names", fix)
 
 
 def _check_confusion(summary: dict[str, Any], path: str, fix: str) -> None:

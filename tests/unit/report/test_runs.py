@@ -51,6 +51,10 @@ def refused(run, capsys) -> str:
         ('{"steps": 3, "micro_batches": [8, "a"]}', "summary.json: micro_batches: got [8, 'a'], expected a list of"),
         ('{"steps": 3, "sync_share": {"run": "x"}}', "summary.json: sync_share.run: got 'x', expected a number"),
         ('{"steps": 3, "stop_reason": 7}', "summary.json: stop_reason: got 7, expected a string"),
+        ('{"steps": 3, "membership": ["w01"]}', "summary.json: membership[0]: got 'w01', expected a mapping with a"),
+        ('{"steps": 3, "membership": [{"step": 2, "left": "w01"}]}', "summary.json: membership[0].left: got 'w01', ex"),
+        ('{"steps": 3, "membership": [{"step": 2, "entered": [1]}]}', "summary.json: membership[0].entered: got [1]"),
+        ('{"steps": 3, "membership": [{"step": 2, "seconds": "2"}]}', "summary.json: membership[0].seconds: got '2'"),
     ],
 )
 def test_a_summary_that_is_not_what_a_run_writes_is_one_line(run, capsys, content, piece):
@@ -89,6 +93,7 @@ def test_a_summary_in_binary_is_one_line(run, capsys):
         (b'{"step": 1, "workers": [1]}\n', "line 1: workers[0]: got 1, expected a mapping of a worker's figures"),
         (b'{"step": 1, "workers": [{"share": 4}]}\n', "line 1: workers[0].rank: got None, expected an integer"),
         (b'{"step": 1, "event": "membership", "workers": [0]}\n', "line 1: workers: got [0], expected a list of wor"),
+        (b'{"step": 1, "event": "membership", "waited_s": "1"}\n', "line 1: waited_s: got '1', expected a number"),
         (b'{"step": 1, "workers": [{"rank": 0, "compute_s": "1"}]}\n', "line 1: workers[0].compute_s: got '1', exp"),
         (b'{"step": 1}\n{"step": 2, "event": "choose", "micro_batch_to": "8"}\n', "line 2: micro_batch_to: got '8'"),
         (b'{"step": 1}\n{"step": 2, "event": "sync-choice"}\n', "line 2: mode: got None, expected a string"),
