@@ -40,8 +40,9 @@ MIN_DEADLINE_S = 2.0
 #: A collective's deadline in multiples of what it should take (the sum over the link plus the slowest peer's step).
 DEADLINE_GRACE = 3.0
 #: How long a forming epoch waits for members that have not arrived, once one has: the others see the same failure
-#: within about a deadline of each other.
-SETTLE_S = 2.0
+#: within about a deadline of each other, so it is longer than the shortest deadline (a member blocked in a sum with
+#: a Mac killed mid-run sees the failure at its deadline, one whose connection to that Mac closed sees it at once).
+SETTLE_S = 3.0
 #: An epoch given up because its leader went quiet before publishing it.
 ABANDONED = b"abandoned"
 #: The key set when the run ends.
