@@ -240,8 +240,8 @@ def test_a_worker_lost_mid_tune_is_recorded_and_the_study_finishes_on_the_head(h
     """Stops the worker's node while its trial runs: runs last in this module, since it leaves the head alone."""
     a, b = hosts["a"], hosts["b"]
     # A window long enough that the stop lands inside it: trials report progress every 5 s, and the MacBook's Ray is
-    # stopped within a second or two of the first report.
-    space = {**SPACE, "name": "node-loss", "budget": {"warmup_s": 1, "measure_s": 14, "eval_puzzles": 16}}
+    # stopped within a few seconds of the first report (a 14 s window once closed first on a loaded machine).
+    space = {**SPACE, "name": "node-loss", "budget": {"warmup_s": 1, "measure_s": 20, "eval_puzzles": 16}}
     path = tmp_path / "space.yaml"
     path.write_text(yaml.safe_dump(space))
     out = a.root / "runs" / "node-loss"
