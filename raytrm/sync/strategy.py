@@ -294,15 +294,16 @@ class SyncStrategy:
             every = f" H={choice.every}" if choice.every else ""
             overlap = f" overlap {choice.overlap}" if choice.overlap else ""
             logger.info("step %d: sync %s%s%s: %s", self.replica.step, choice.mode, every, overlap, choice.reason)
-            if before is not None and self.link is not None and self.link.bytes_per_s < _rate(before["link"]) / 2:
+            was = extra.get("link_before")
+            if was is not None and extra["link"]["mbit_s"] < was["mbit_s"] / 2:
                 through = f" through {interface}" if interface else ""
                 logger.warning(
                     "step %d: the sync's link%s measured again: %s, %.0f Mbit/s at step %d",
                     self.replica.step,
                     through,
                     self.link.describe(),
-                    before["link"]["mbit_s"],
-                    before["step"],
+                    was["mbit_s"],
+                    was["step"],
                 )
 
     def _enter(self, mode: str, every: int | None, overlap: int) -> float:
@@ -387,8 +388,3 @@ class SyncStrategy:
     def close(self) -> None:
         """Release what the mode holds on the model (the overlapped sum's hooks)."""
         self.mode.close()
-
-
-def _rate(link: dict[str, float]) -> float:
-    """Bytes a second of a link as an event records it (Link.to_dict)."""
-    return link["mbit_s"] * 1e6 / 8
