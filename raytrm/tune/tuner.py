@@ -53,7 +53,7 @@ from raytrm.tune.search import completed_count, record
 from raytrm.tune.space import SearchSpace, load_space
 from raytrm.tune.studies import best_speed, running_trial
 from raytrm.tune.tables import format_table
-from raytrm.tune.verify import measure_rates, verify_best
+from raytrm.tune.verify import TierLeft, measure_rates, verify_best
 
 logger = logging.getLogger(__name__)
 
@@ -158,12 +158,16 @@ def run_tune(
         machines = {t: available[t] for t in wanted}
         run = _run_staged if is_staged else _run_studies
         lost = run(space, run_dir, machines, stream)
-        if lost:
-            state["lost_tiers"] = {**state.get("lost_tiers", {}), **lost}
-            cfg.write_yaml(state, run_dir / TUNE_FILE)
+        _record_lost(run_dir, state, lost)
         for tier in wanted:
-            if tier not in lost:  # no machine of a lost tier is left to verify on
+            if tier in lost:  # no machine of a lost tier is left to verify on
+                continue
+            try:
                 verify_best(run_dir, tier)
+            except TierLeft as e:
+                logger.warning("%s before its best setting was verified", e)
+                lost[tier] = {"not_run": 0, "at": time.time(), "died": []}
+                _record_lost(run_dir, state, lost)
         paths = export_run(run_dir)
         print(format_table(run_dir), file=stream)
         write_plots(run_dir)
@@ -173,6 +177,13 @@ def run_tune(
             import ray
 
             ray.shutdown()
+
+
+def _record_lost(run_dir: Path, state: dict[str, Any], lost: dict[str, dict[str, Any]]) -> None:
+    """Tiers whose machines all left the cluster, kept in the run's state as soon as they are known."""
+    if lost:
+        state["lost_tiers"] = {**state.get("lost_tiers", {}), **lost}
+        cfg.write_yaml(state, run_dir / TUNE_FILE)
 
 
 def _run_staged(

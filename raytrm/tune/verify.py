@@ -4,21 +4,33 @@
   in verify/TIER.json, and the profile and the run's table show it beside the trial's figures.
 - rates (a staged run's third step): each learning config that reached the horizon is timed on every tier it did
   not train on, with that tier's speed settings; kept in rates/TIER-N.json.
+
+A re-run waits for its result only while its tier has a machine in the cluster: Ray would hold a task for a tier with
+none left (or the resubmission of a result lost with its machine) forever.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from raytrm import config as cfg
+from raytrm.distributed.cluster import alive_tiers
 from raytrm.tune import staged
 from raytrm.tune.layout import VERIFY_DIR, read_result, read_state, run_space, stage_setup, trial_resources
 from raytrm.tune.studies import ranked, rate_path, reached_horizon, speed_options, staged_candidates
 
 logger = logging.getLogger(__name__)
+
+#: How often a re-run's wait looks for its result and for its tier's machines.
+POLL_S = 2.0
+
+
+class TierLeft(RuntimeError):
+    """The tier's last machine left the cluster while a re-run waited for it."""
 
 
 def _remote(fn: Any, tier: str) -> Any:
@@ -29,12 +41,30 @@ def _remote(fn: Any, tier: str) -> Any:
     return ray.remote(num_cpus=1, resources=resources, max_calls=1)(fn)
 
 
+def result_on_tier(
+    ref: Any, tier: str, machines_now: Callable[[], dict[str, int]] = alive_tiers, poll_s: float = POLL_S
+) -> dict[str, Any]:
+    """The result of a re-run on the tier; a failed result where it raised or its machine died under it (Ray retries
+    it on another of the tier's machines first). TierLeft, the task cancelled, once the tier has no machine left."""
+    import ray
+
+    while True:
+        done, _ = ray.wait([ref], timeout=poll_s)
+        if done:
+            try:
+                return ray.get(ref)
+            except ray.exceptions.RayError as e:
+                cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e  # what the re-run raised
+                return {"status": "failed", "error": f"{type(cause).__name__}: {str(cause).strip().splitlines()[0]}"}
+        if not machines_now().get(tier):
+            ray.cancel(ref, force=True)
+            raise TierLeft(f"tier {tier}: its last machine left the cluster")
+
+
 def measure_rates(run_dir: Path, tiers: list[str]) -> None:
     """Time each learning config that reached the horizon on every tier it did not train on (Ray connected), with
     that tier's fastest speed knobs that fit it there (staged.time_with_fitting_speed): short runs, kept in
     rates/TIER-N.json (a resumed run keeps what is there)."""
-    import ray
-
     from raytrm.tune.trial import run_trial
 
     space = run_space(run_dir, read_state(run_dir))
@@ -49,13 +79,14 @@ def measure_rates(run_dir: Path, tiers: list[str]) -> None:
     def submit(job: tuple[str, int], option: dict[str, Any]) -> Any:
         tier, number = job
         config = {"tier": tier, "trial_number": number, "params": dict(trials[number].params)}
-        return _remote(run_trial, tier).remote({**config, "speed": option["params"]}, setup)
+        return tier, _remote(run_trial, tier).remote({**config, "speed": option["params"]}, setup)
 
-    def wait(ref: Any) -> dict[str, Any]:
+    def wait(submitted: tuple[str, Any]) -> dict[str, Any]:
+        tier, ref = submitted
         try:
-            return ray.get(ref)
-        except ray.exceptions.RayError as e:  # the tier's node left mid-run: recorded, and the other runs go on
-            return {"status": "failed", "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"}
+            return result_on_tier(ref, tier)
+        except TierLeft as e:  # recorded, and the other tiers' runs go on
+            return {"status": "failed", "error": str(e)}
 
     for (tier, number), result in staged.time_with_fitting_speed(jobs, submit, wait).items():
         path = rate_path(run_dir, tier, number)
@@ -65,9 +96,8 @@ def measure_rates(run_dir: Path, tiers: list[str]) -> None:
 
 
 def verify_best(run_dir: Path, tier: str) -> dict[str, Any] | None:
-    """Re-run the tier's best settings on one of its machines (Ray must be connected); kept in verify/<tier>.json."""
-    import ray
-
+    """Re-run the tier's best settings on one of its machines (Ray must be connected); kept in verify/<tier>.json.
+    TierLeft where the tier's last machine left the cluster first."""
     from raytrm.tune.trial import measure
 
     if read_state(run_dir).get("learning_study"):
@@ -76,23 +106,20 @@ def verify_best(run_dir: Path, tier: str) -> dict[str, Any] | None:
     if not best:
         return None
     attrs = best[0].user_attrs
-    result = ray.get(
-        _remote(measure, tier).remote(
-            attrs["experiment"],
-            memory_budget_mb=attrs.get("memory_budget_mb"),
-            thermal_cap=attrs.get("thermal_cap"),
-            # The verification re-measures speed, memory and heat in the verification window; with a horizon the
-            # trial's quality is the one reached there, which a shorter run does not re-measure.
-            **{**space.measure_args(space.verify_s), "horizon": None},
-        )
+    ref = _remote(measure, tier).remote(
+        attrs["experiment"],
+        memory_budget_mb=attrs.get("memory_budget_mb"),
+        thermal_cap=attrs.get("thermal_cap"),
+        # The verification re-measures speed, memory and heat in the verification window; with a horizon the trial's
+        # quality is the one reached there, which a shorter run does not re-measure.
+        **{**space.measure_args(space.verify_s), "horizon": None},
     )
+    result = result_on_tier(ref, tier)
     return _keep(run_dir, tier, result, best[0].number)
 
 
 def _verify_staged(run_dir: Path, tier: str) -> dict[str, Any] | None:
     """Re-run the tier's pick (best learning config, the tier's speed knobs) for the verification window."""
-    import ray
-
     from raytrm.tune.trial import run_trial
 
     choices, speed = staged_candidates(run_dir, tier)
@@ -106,7 +133,7 @@ def _verify_staged(run_dir: Path, tier: str) -> dict[str, Any] | None:
     # The speed settings it was timed with there: the tier's fastest, or the next that fit it.
     config = {"tier": tier, "trial_number": best.trial, "params": best.params}
     config["speed"] = best.rate.get("speed_params") or speed["params"]
-    return _keep(run_dir, tier, ray.get(_remote(run_trial, tier).remote(config, setup)), best.trial)
+    return _keep(run_dir, tier, result_on_tier(_remote(run_trial, tier).remote(config, setup), tier), best.trial)
 
 
 def _keep(run_dir: Path, tier: str, result: dict[str, Any], trial: int) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -270,3 +271,32 @@ def test_the_pruner_stops_a_trial_that_is_behind_at_its_first_evaluation(ray_clu
     # The two trials that ran to the end reported their half-way evaluation too, and one of them is the profile.
     assert all(list(t.intermediate_values) == [1] for t in trials[:2])
     assert cfg.load_profile(tmp_path / "run" / "profiles" / f"{TIER_A}.yaml").training.lr == 3.0e-3
+
+
+def test_a_re_run_waits_only_while_its_tier_has_a_machine(ray_cluster):
+    """A verification on a Mac that leaves the cluster under it ends with TierLeft instead of waiting for Ray to place
+    the task again on a machine of the tier, which would never come; one that finishes or raises is a result."""
+    import ray
+
+    from raytrm.constants import RESOURCE_MACHINE, tier_resource
+    from raytrm.distributed.cluster import alive_tiers
+    from raytrm.tune.verify import TierLeft, _remote, result_on_tier
+
+    # Python functions the workers can import (this module is not on their path).
+    assert result_on_tier(_remote(statistics.median, TIER_A).remote([1, 3]), TIER_A, poll_s=0.2) == 2
+    failed = result_on_tier(_remote(statistics.median, TIER_A).remote([]), TIER_A, poll_s=0.2)
+    assert failed == {"status": "failed", "error": "StatisticsError: no median for empty data"}
+    leaving = "mac-mini-16gb"
+    node = ray_cluster.add_node(num_cpus=1, resources={RESOURCE_MACHINE: 1, tier_resource(leaving): 1})
+    try:
+        ray_cluster.wait_for_nodes()
+        ref = _remote(subprocess.getoutput, leaving).remote("sleep 600")
+        time.sleep(2.0)  # the task placed and running on the node
+    finally:
+        ray_cluster.remove_node(node)
+    begin = time.monotonic()
+    with pytest.raises(TierLeft, match=f"tier {leaving}: its last machine left the cluster"):
+        result_on_tier(ref, leaving, poll_s=0.2)
+    assert time.monotonic() - begin < 60 and leaving not in alive_tiers()
+    with pytest.raises(ray.exceptions.TaskCancelledError):  # cancelled: it holds nothing in the cluster
+        ray.get(ref, timeout=30)
