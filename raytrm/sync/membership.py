@@ -10,7 +10,9 @@ no collective of it waits longer than that.
 An epoch ends in one of two ways, and both go through the same agreement (`regroup`):
 - a collective fails (a peer missed the deadline, or its connections closed): every member that sees it arrives at
   the next epoch; the first arrival leads: it waits until every member of the old epoch has arrived, or `settle_s`,
-  then publishes the next view with those that arrived, and the workers that asked to join meanwhile;
+  then publishes the next view with those that arrived, and the workers that asked to join meanwhile. For the old
+  rank 0 (the worker that writes the run) it waits a deadline longer: blocked in a sum with a peer that died, it
+  sees the failure only at its deadline, where a peer whose connection to the dead one closed sees it at once;
 - at a round boundary the members see a join request (`pending_joins`, asked of the store by rank 0 and agreed in
   the current group by the caller) and regroup to admit it.
 
@@ -102,6 +104,9 @@ class View:
     left: tuple[str, ...] = ()
     #: How many join requests the view has answered (the index into the store's log of requests).
     joins_seen: int = 0
+    #: Its leader held it past the settle for the old rank 0, which came: the next epoch does not hold for it again,
+    #: so that a rank 0 late at every try (its sum past the deadline each time) is left behind, and the others go on.
+    held_for_rank_0: bool = False
 
     def rank(self, worker: str) -> int:
         return self.members.index(worker)
@@ -112,7 +117,14 @@ class View:
     @classmethod
     def from_json(cls, text: bytes | str) -> View:
         doc = json.loads(text)
-        return cls(doc["epoch"], tuple(doc["members"]), tuple(doc["admitted"]), tuple(doc["left"]), doc["joins_seen"])
+        return cls(
+            doc["epoch"],
+            tuple(doc["members"]),
+            tuple(doc["admitted"]),
+            tuple(doc["left"]),
+            doc["joins_seen"],
+            doc["held_for_rank_0"],
+        )
 
 
 def is_peer_lost(error: BaseException) -> bool:
@@ -209,7 +221,7 @@ class Membership:
             self.store.set(f"arrival/{epoch}/{order}", self.me)
             if order == 1:
                 self._lead(epoch, expected, previous, wait)
-            published = self._get(f"view/{epoch}", wait + self.settle_s + self.deadline)
+            published = self._get(f"view/{epoch}", wait + self.settle_s + 2 * self.deadline)
             if published is None:  # the leader went quiet: the epoch is given up (a late view of it is refused)
                 published = self._publish(epoch, ABANDONED)
         if published == ABANDONED:
@@ -228,8 +240,14 @@ class Membership:
         end = time.monotonic() + wait_s
         while self._count(f"arrivals/{epoch}") < expected and time.monotonic() < end:
             time.sleep(0.01)
-        count = self._count(f"arrivals/{epoch}")
-        arrived = [self.store.get(f"arrival/{epoch}/{i}").decode() for i in range(1, count + 1)]
+        arrived = self._arrived(epoch)
+        held = False
+        if previous is not None and not previous.held_for_rank_0 and previous.members[0] not in arrived:
+            end += self.deadline
+            while previous.members[0] not in arrived and time.monotonic() < end:
+                time.sleep(0.01)
+                arrived = self._arrived(epoch)
+            held = previous.members[0] in arrived
         old = list(previous.members) if previous is not None else []
         # The first epoch admits no one: a worker that asked to join before the run began enters at its first
         # boundary, like any other, with the state the members reached.
@@ -242,7 +260,7 @@ class Membership:
         members = [w for w in old if w in arrived] if previous is not None else sorted(arrived)
         admitted = [w for w in dict.fromkeys(joining) if w not in members]
         left = tuple(w for w in old if w not in arrived)
-        view = View(epoch, tuple(members + admitted), tuple(admitted), left, requests)
+        view = View(epoch, tuple(members + admitted), tuple(admitted), left, requests, held)
         if self._publish(epoch, view.to_json().encode()) != view.to_json().encode():
             return  # the others gave this epoch up while its leader was quiet
         self.store.set("epoch", str(epoch))  # the latest epoch published, read with add(key, 0)
@@ -254,6 +272,11 @@ class Membership:
                 f"; left: {', '.join(view.left)}" if view.left else "",
                 f"; admitted: {', '.join(view.admitted)}" if view.admitted else "",
             )
+
+    def _arrived(self, epoch: int) -> list[str]:
+        """The workers arrived at the epoch, in order of arrival."""
+        count = self._count(f"arrivals/{epoch}")
+        return [self.store.get(f"arrival/{epoch}/{i}").decode() for i in range(1, count + 1)]
 
     def _enter(self, view: View) -> View:
         """Make the epoch's process group (its collectives bounded by the deadline) and take its view; a member that

@@ -24,7 +24,7 @@ def test_deadline_is_grace_times_the_sum_and_a_step_never_under_the_floor():
 
 
 def test_view_round_trips():
-    view = View(3, ("air", "mini", "studio"), admitted=("air",), left=("old",), joins_seen=2)
+    view = View(3, ("air", "mini", "studio"), admitted=("air",), left=("old",), joins_seen=2, held_for_rank_0=True)
     assert View.from_json(view.to_json().encode()) == view
     assert view.rank("studio") == 2
 
@@ -52,6 +52,48 @@ def test_a_member_holds_for_rank_0s_work_alone_past_the_deadline_until_it_is_rel
     later = _in_epoch(client, "air", 5)
     with pytest.raises(PeerLost, match=r"epoch 5: rank 0 did not finish eval/20 in 1 s"):
         later.hold("eval/20", timeout_s=1.0)
+
+
+def _arrive_later(store, epoch: int, name: str, after_s: float) -> threading.Timer:
+    """A member arriving at the epoch after_s from now, as `Membership._form` arrives."""
+
+    def arrive() -> None:
+        order = int(store.add(f"arrivals/{epoch}", 1))
+        store.set(f"arrival/{epoch}/{order}", name)
+
+    timer = threading.Timer(after_s, arrive)
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize(
+    ("late", "held_before", "stays"),
+    [
+        ("studio", False, True),  # rank 0, a deadline late: held for
+        ("mini", False, False),  # another member as late: left behind, to come back at a boundary
+        ("studio", True, False),  # rank 0 late again right after it was held for: the others go on
+    ],
+)
+def test_a_forming_epoch_holds_a_deadline_longer_for_the_old_rank_0_once(late, held_before, stays):
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    settle, deadline = 0.2, 1.0
+    leader = Membership(store, "air", deadline=deadline, settle_s=settle)
+    previous = View(4, ("studio", "air", "mini"), held_for_rank_0=held_before)
+    store.add("arrivals/5", 1)
+    store.set("arrival/5/1", "air")
+    on_time = next(n for n in ("studio", "mini") if n != late)
+    _arrive_later(store, 5, on_time, 0.05)
+    late_arrival = _arrive_later(store, 5, late, settle + deadline / 2)  # past the settle, inside the hold
+    begin = time.monotonic()
+    leader._lead(5, expected=3, previous=previous, wait_s=settle)
+    waited = time.monotonic() - begin
+    late_arrival.join()
+    view = View.from_json(store.get("view/5"))
+    assert (late in view.members) == stays and view.held_for_rank_0 == (stays and late == "studio")
+    assert view.left == (() if stays else (late,))
+    assert waited < settle + deadline + 0.5 and (waited > settle + deadline / 2 if stays else waited < settle + 0.3)
 
 
 def _late_transfers(rank: int, world_size: int, device) -> dict[str, object]:
