@@ -55,7 +55,8 @@ def result_on_tier(
                 return ray.get(ref)
             except ray.exceptions.RayError as e:
                 cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e  # what the re-run raised
-                return {"status": "failed", "error": f"{type(cause).__name__}: {str(cause).strip().splitlines()[0]}"}
+                name, first = type(cause).__name__, next(iter(str(cause).strip().splitlines()), "")
+                return {"status": "failed", "error": f"{name}: {first}" if first else name}
         if not machines_now().get(tier):
             ray.cancel(ref, force=True)
             raise TierLeft(f"tier {tier}: its last machine left the cluster")
