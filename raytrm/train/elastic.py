@@ -1,9 +1,11 @@
 """A run whose workers come and go: the loop's side of raytrm.sync.membership.
 
-At every boundary where the members look (`boundary`), rank 0 reads the join requests and, once the run has measured
-a step, the collectives' deadline it implies: the grace times a step's sum and compute (the sum: the model's over the
-measured link and the steps a round's sum travels behind, where longer than the step's own). A new deadline, far from
-the one the run started with, is set on the live groups: the same workers go on, with no new membership.
+At every boundary where the members look (`boundary`), rank 0 reads the join requests and, at the first two looks,
+the collectives' deadline the latest step implies: the grace times a step's sum and compute (the sum: the model's
+over the measured link and the steps a round's sum travels behind, where longer than the step's own). A fresh run's
+first look follows its first step, whose one-time costs make its deadline loose but far shorter than the one the
+run started with; the next, past ADMIT_EVERY steps, reads a steady step. A new deadline, far from the one in force,
+is set on the live groups: the same workers go on, with no new membership.
 
 When a collective of a step fails because a peer missed its deadline or left (`lost`), or when the members agree at
 a boundary that a worker waits to join, the loop calls `recover`, which:
@@ -44,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: The looks at which rank 0 takes the collectives' deadline from the latest step: after the first step, and past
+#: ADMIT_EVERY steps (raytrm.train.loop).
+TIMED_LOOKS = 2
+
 
 class Elastic:
     """The loop's `regroup` (raytrm.train.loop.Regroup) for a Trainer whose sync follows `membership`'s groups."""
@@ -52,8 +58,8 @@ class Elastic:
         self.membership, self.clock = membership, clock
         #: Every change of the run's workers this worker saw (the `membership` events, every rank's).
         self.changes: list[dict[str, Any]] = []
-        #: The deadline was set from a measured step (once, at the first boundary the members look).
-        self.timed = False
+        #: Looks at which rank 0 took the deadline from the latest step (TIMED_LOOKS at most; a membership ends them).
+        self.timed = 0
 
     def enter(self, trainer: Any, sync_factory: Any) -> None:
         """A worker that was not in the run (new, or started again after it left): ask to join, wait until the
@@ -95,7 +101,8 @@ class Elastic:
     def _news(self, loop: Any) -> tuple[float, float]:
         """Rank 0's: the join requests waiting, and a new deadline (0: none), published for the epochs to come."""
         joins, deadline = float(self.membership.pending_joins()), 0.0
-        if not self.timed and loop.last_step is not None:
+        if self.timed < TIMED_LOOKS and loop.last_step is not None:
+            self.timed += 1
             measured = deadline_s(self._sum_seconds(loop), loop.last_step.result.compute_seconds)
             if abs(measured - self.membership.deadline) > 0.5 * self.membership.deadline:
                 self.membership.publish_deadline(measured)
@@ -104,7 +111,7 @@ class Elastic:
 
     def _retime(self, loop: Any, seconds: float) -> list[dict[str, Any]]:
         """Every collective of the live groups bounded by the new deadline from now on; the event (rank 0's)."""
-        before, self.membership.deadline, self.timed = self.membership.deadline, seconds, True
+        before, self.membership.deadline = self.membership.deadline, seconds
         trainer = loop.trainer
         trainer.sync.set_timeout(seconds)
         if trainer.sync.rank != 0:
@@ -149,7 +156,7 @@ class Elastic:
                 logger.warning("the membership forming at step %d failed (%s): forming the next", trainer.step, error)
         state_taken = self.clock()
         self._restart_sync(loop)
-        self.timed = True
+        self.timed = TIMED_LOOKS
         event = {
             "event": "membership",
             "step": trainer.step,

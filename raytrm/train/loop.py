@@ -16,16 +16,16 @@ iteration:
 6. `end_step`: hooks exchange and record (peers, metrics rows, checkpoints), in list order; a stop they return is
    applied after them.
 
-After the last step, the sync strategy lands what it holds, then `finish` (final evaluation, last checkpoint). In
-a run whose workers may come and go (`regroup`: raytrm.train.elastic), a peer lost in any collective of an
-iteration sends the loop to the next membership, after which the iteration runs again (the step redone, or
-skipped by a worker that takes a peer's state past it), or the next one where the step ran and only its sync after
-it failed (a local round's sum): that step stands, and the hooks that record it do so at the regroup
-(`on_regroup`); at the first boundary where the workers exchange past each multiple of ADMIT_EVERY steps, the
-members agree whether a worker waits to join, and admit it. Any other failure ends the run with the exception;
-what the hooks hold (a metrics file) is closed by whoever built them. A new behaviour (a health check, another stop
-rule) is one more hook, picked by the runs that need it; `stop_reason` says why a run ended. A hook reads the loop's
-state (`probing`, `exchanging`, the clock) but never writes it: what it decides, it returns.
+After the last step, the sync strategy lands what it holds, then `finish` (final evaluation, last checkpoint). In a
+run whose workers may come and go (`regroup`: raytrm.train.elastic), a peer lost in any collective of an iteration
+sends the loop to the next membership, after which the iteration runs again (the step redone, or skipped by a worker
+that takes a peer's state past it), or the next one where the step ran and only its sync after it failed (a local
+round's sum): that step stands, and the hooks that record it do so at the regroup (`on_regroup`); after step 1
+(where the workers exchange after it) and at the first boundary where they exchange past each multiple of
+ADMIT_EVERY steps, the members agree whether a worker waits to join, and admit it. Any other failure ends the run
+with the exception; what the hooks hold (a metrics file) is closed by whoever built them. A new behaviour (a health
+check, another stop rule) is one more hook, picked by the runs that need it; `stop_reason` says why a run ended. A
+hook reads the loop's state (`probing`, `exchanging`, the clock) but never writes it: what it decides, it returns.
 """
 
 from __future__ import annotations
@@ -275,9 +275,11 @@ class Loop:
         self._recut()
         self.apply(_collect(hook.end_step(self, step) for hook in self.hooks))
         regroup = self.regroup
-        # A boundary that crossed a multiple of ADMIT_EVERY (local rounds end every H steps): the same on every rank.
+        # The first step (its deadline measured early), or a boundary that crossed a multiple of ADMIT_EVERY (local
+        # rounds end every H steps): the same on every rank, since it depends on the step alone.
         step, rounds = self.trainer.step, self.trainer.strategy.every or 1
-        due = regroup is not None and self.exchanging and step // ADMIT_EVERY > max(0, step - rounds) // ADMIT_EVERY
+        crossed = step // ADMIT_EVERY > max(0, step - rounds) // ADMIT_EVERY
+        due = regroup is not None and self.exchanging and (step == 1 or crossed)
         if due:  # every member looks at the same step
             self._membership_events += regroup.boundary(self)
 
