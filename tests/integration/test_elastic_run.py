@@ -67,6 +67,9 @@ def test_a_stopped_worker_costs_a_deadline_and_comes_back(ray_cluster, puzzles, 
     entered = [c for c in changes if c["entered"] == ["w01"]]
     assert left and entered and left[0]["step"] < entered[0]["step"]
     assert left[0]["waited_s"] < left[0]["deadline_s"] + 10  # the measured deadline, not the first 60 s
+    # The deadline was measured after the first step (its one-time costs), and again from a steady step past step 10.
+    timed = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("event") == "deadline"]
+    assert [t["step"] for t in timed][:1] == [1] and timed[0]["from_s"] == 60.0 and timed[0]["deadline_s"] < 60.0
     assert summary["workers"] == 2  # back together at the end
     # `raytrm report` reads the run, its membership events among its lines, and says who left and who came back.
     assert main(["report", str(run_dir)]) == 0
