@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from raytrm.report.runs import RunRecord
+from raytrm.sync.link import mbit_text
 
 
 def _choice(event: dict[str, Any]) -> str:
@@ -24,11 +25,8 @@ def _link_change(event: dict[str, Any]) -> str:
     if not now or not before:
         return ""
     through = f" through {event['interface']}" if event.get("interface") else ""
-    return f"; the link{through} {_mbit(now['mbit_s'])} Mbit/s, {_mbit(before['mbit_s'])} at step {before['step']}"
-
-
-def _mbit(rate: float) -> str:
-    return f"{rate:.0f}" if rate >= 100 else f"{rate:.1f}"
+    rates = f"{mbit_text(now['mbit_s'])} Mbit/s, {mbit_text(before['mbit_s'])}"
+    return f"; the link{through} {rates} at step {before['step']}"
 
 
 def sync_lines(record: RunRecord) -> list[str]:

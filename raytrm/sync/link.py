@@ -54,12 +54,15 @@ class Link:
         return self.latency_s + nbytes / self.bytes_per_s
 
     def describe(self) -> str:
-        mbit = self.bytes_per_s * 8 / 1e6
-        rate = f"{mbit:.0f}" if mbit >= 100 else f"{mbit:.1f}"
-        return f"{rate} Mbit/s and {self.latency_s * 1e3:.2f} ms a sum"
+        return f"{mbit_text(self.bytes_per_s * 8 / 1e6)} Mbit/s and {self.latency_s * 1e3:.2f} ms a sum"
 
     def to_dict(self) -> dict[str, float]:
         return {"mbit_s": self.bytes_per_s * 8 / 1e6, "latency_ms": self.latency_s * 1e3}
+
+
+def mbit_text(mbit: float) -> str:
+    """A rate in Mbit/s as the run's lines give it: whole above 100, one decimal below."""
+    return f"{mbit:.0f}" if mbit >= 100 else f"{mbit:.1f}"
 
 
 def fit_link(points: Sequence[tuple[float, float]]) -> Link:

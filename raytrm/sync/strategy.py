@@ -33,7 +33,7 @@ from typing import Any
 from raytrm import config as cfg
 from raytrm.sync.contract import GradientSync, LocalSync, Replica
 from raytrm.sync.exact import Exact
-from raytrm.sync.link import MODES, NO_LATENESS, TARGET_SHARE, Choice, Lateness, Link, choose, measure_link
+from raytrm.sync.link import MODES, NO_LATENESS, TARGET_SHARE, Choice, Lateness, Link, choose, mbit_text, measure_link
 from raytrm.sync.local import Local, on_cpu
 from raytrm.sync.mode import REGISTRY, Mode, Reduced, Scalar
 
@@ -298,11 +298,11 @@ class SyncStrategy:
             if was is not None and extra["link"]["mbit_s"] < was["mbit_s"] / 2:
                 through = f" through {interface}" if interface else ""
                 logger.warning(
-                    "step %d: the sync's link%s measured again: %s, %.0f Mbit/s at step %d",
+                    "step %d: the sync's link%s measured again: %s, %s Mbit/s at step %d",
                     self.replica.step,
                     through,
                     self.link.describe(),
-                    was["mbit_s"],
+                    mbit_text(was["mbit_s"]),
                     was["step"],
                 )
 
